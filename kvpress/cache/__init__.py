@@ -1,0 +1,4 @@
+from .cache import KVPressCache
+from .layer import KVPressLayer
+
+__all__ = ["KVPressCache", "KVPressLayer"]

@@ -1,0 +1,95 @@
+"""KVPressCache: a transformers Cache whose full-attention layers really shrink."""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
+
+from .layer import KVPressLayer
+
+
+def _layer_types(config) -> list[str] | None:
+    text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    return getattr(text_config, "layer_types", None)
+
+
+class KVPressCache(Cache):
+    """A `Cache` of `KVPressLayer`s.
+
+    With a `config`, sliding-window layers of hybrid models (e.g. Gemma-3) get transformers' own sliding
+    layer and keep their stock behaviour; every full-attention layer is a `KVPressLayer`. Without a config,
+    layers are created lazily as `KVPressLayer`s.
+
+    The cache itself holds no policy: the attention function of a patched model reads and compacts it.
+    """
+
+    def __init__(self, config=None):
+        layer_types = _layer_types(config) if config is not None else None
+        if layer_types is None:
+            super().__init__(layer_class_to_replicate=KVPressLayer)
+        else:
+            text_config = config.get_text_config(decoder=True)
+            layers = [
+                DynamicSlidingWindowLayer(sliding_window=text_config.sliding_window)
+                if kind == "sliding_attention"
+                else KVPressLayer()
+                for kind in layer_types
+            ]
+            super().__init__(layers=layers)
+        self._token_mask: torch.Tensor | None = None
+
+    def set_attention_mask(self, attention_mask: torch.Tensor | None) -> None:
+        """Record the 2-D padding mask [B, seen + q_len] of the forward about to run (set by the patch's
+        model pre-hook), so each layer learns which new tokens are padding."""
+        if attention_mask is not None and attention_mask.dim() != 2:
+            attention_mask = None  # a custom 4-D mask carries no per-token padding we can read
+        self._token_mask = attention_mask
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        if self.layer_class_to_replicate is not None:
+            while len(self.layers) <= layer_idx:
+                self.layers.append(self.layer_class_to_replicate())
+        layer = self.layers[layer_idx]
+        if isinstance(layer, KVPressLayer):
+            q_len = key_states.shape[-2]
+            new_valid = None
+            if self._token_mask is not None and self._token_mask.shape[-1] >= q_len:
+                new_valid = self._token_mask[:, -q_len:]
+            return layer.update(key_states, value_states, new_valid=new_valid)
+        return layer.update(key_states, value_states, *args, **kwargs)
+
+    # ------------------------------------------------------------------ reporting
+    def kvpress_layers(self) -> list[tuple[int, KVPressLayer]]:
+        return [(i, layer) for i, layer in enumerate(self.layers) if isinstance(layer, KVPressLayer)]
+
+    def nbytes(self) -> int:
+        """True bytes of every layer's storage (kvpress layers: K/V + positions + validity + policy state)."""
+        total = 0
+        for layer in self.layers:
+            if isinstance(layer, KVPressLayer):
+                total += layer.nbytes()
+            elif getattr(layer, "is_initialized", False):
+                total += sum(t.numel() * t.element_size() for t in (layer.keys, layer.values))
+        return total
+
+    def stats(self) -> list[dict]:
+        """Per layer: tokens seen, slots stored, real tokens kept per KV head (min/max), bytes."""
+        rows = []
+        for i, layer in enumerate(self.layers):
+            if isinstance(layer, KVPressLayer):
+                if not layer.is_initialized:
+                    continue
+                kept = layer.tokens_per_head()
+                rows.append(
+                    dict(layer=i, kind="kvpress", seen=layer.seen, stored=layer.stored,
+                         kept_min=int(kept.min()), kept_max=int(kept.max()),
+                         kv_bytes=layer.kv_nbytes(), bytes=layer.nbytes())
+                )
+            elif getattr(layer, "is_initialized", False):
+                kv = sum(t.numel() * t.element_size() for t in (layer.keys, layer.values))
+                stored = layer.keys.shape[-2]
+                rows.append(
+                    dict(layer=i, kind=type(layer).__name__, seen=layer.get_seq_length(), stored=stored,
+                         kept_min=stored, kept_max=stored, kv_bytes=kv, bytes=kv)
+                )
+        return rows

@@ -1,0 +1,203 @@
+"""One layer of a KVPressCache: the tokens a layer really keeps, where each came from, and how many it has seen."""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+
+class KVPressLayer(CacheLayerMixin):
+    """Keys/values of one attention layer, stored per KV head (never repeated for GQA).
+
+    State:
+      keys, values   [B, Hkv, T, D]   the stored slots, sorted by original position in every head
+      positions      [B, Hkv, T]      original (raw, pre-eviction) index of each slot; None while the layer
+                                      still holds every token it has seen, in order (then it is arange(T))
+      valid          [B, Hkv, T]      False for left padding and for filler slots of rows whose budget is
+                                      below the batch's widest row; None while every slot is a real token
+      slot_state     name -> [B, Hkv, T] per-slot tensors a policy keeps in step with the slots
+                                      (e.g. H2O's accumulated attention); gathered on every compaction
+      row_budget     [B] tokens each row may keep, fixed by the policy at prefill; None until then
+      seen           tokens seen so far (positions of new tokens derive from it, never from T)
+      last_q_len     tokens appended by the latest update (tells prefill / decode / extend apart)
+    """
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = True
+
+    def __init__(self, **kwargs):
+        super().__init__()
+        self.positions: torch.Tensor | None = None
+        self.valid: torch.Tensor | None = None
+        self.slot_state: dict[str, torch.Tensor] = {}
+        self.row_budget: torch.Tensor | None = None
+        self.seen = 0
+        self.last_q_len = 0
+
+    # ------------------------------------------------------------------ transformers layer API
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        batch, heads, _, dim = key_states.shape
+        self.keys = key_states.new_empty(batch, heads, 0, dim)
+        self.values = value_states.new_empty(batch, heads, 0, value_states.shape[-1])
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, new_valid: torch.Tensor | None = None, **kwargs):
+        """Append `q_len` new tokens. `new_valid` [B, q_len] marks which are real (not padding)."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        batch, heads, q_len, _ = key_states.shape
+        self.keys = torch.cat([self.keys, key_states], dim=-2)
+        self.values = torch.cat([self.values, value_states], dim=-2)
+        if self.positions is not None:
+            new_pos = torch.arange(self.seen, self.seen + q_len, device=self.device, dtype=self.positions.dtype)
+            self.positions = torch.cat([self.positions, new_pos.expand(batch, heads, q_len)], dim=-1)
+        if new_valid is not None and (self.valid is not None or not bool(new_valid.all())):
+            if self.valid is None:
+                self.valid = torch.ones(batch, heads, self.stored - q_len, dtype=torch.bool, device=self.device)
+            new_valid = new_valid.to(device=self.device, dtype=torch.bool)[:, None, :].expand(batch, heads, q_len)
+            self.valid = torch.cat([self.valid, new_valid], dim=-1)
+        elif self.valid is not None:
+            self.valid = torch.cat([self.valid, self.valid.new_ones(batch, heads, q_len)], dim=-1)
+        for name, state in self.slot_state.items():
+            self.slot_state[name] = torch.cat([state, state.new_zeros(batch, heads, q_len)], dim=-1)
+        self.seen += q_len
+        self.last_q_len = q_len
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        # Tokens SEEN, not stored: generate derives new positions from it, and eviction must not shift them.
+        return self.seen
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        # Same contract as transformers' sliding-window layer: stored slots + new tokens, offset by the gap.
+        return self.stored + query_length, self.seen - self.stored
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.keys = self.values = None
+        self.is_initialized = False
+        self.positions = self.valid = self.row_budget = None
+        self.slot_state = {}
+        self.seen = self.last_q_len = 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Roll back the most recent tokens: `crop(-n)` forgets the last n seen, `crop(n)` (n > 0) keeps the
+        first n seen (transformers' legacy meaning). Only the uncommitted tail can be rolled back; tokens
+        evicted earlier are gone for good."""
+        if tokens_to_remove == 0 or not self.is_initialized:
+            return
+        new_seen = self.seen + tokens_to_remove if tokens_to_remove < 0 else tokens_to_remove
+        if not 0 <= new_seen <= self.seen:
+            raise ValueError(f"crop(tokens_to_remove={tokens_to_remove}) is out of range for {self.seen} seen tokens")
+        if self.positions is None:
+            self._slice(slice(0, new_seen))
+        else:
+            # Slots are sorted by position in every head, so the tail to drop is a suffix, of equal length in
+            # every head only if the rolled-back tokens were all still stored: require that.
+            n_drop = (self.positions >= new_seen).sum(-1)
+            if bool((n_drop != n_drop.flatten()[0]).any()):
+                raise RuntimeError("crop: the rolled-back tokens were partly evicted; only an unevicted tail can be cropped")
+            self._slice(slice(0, self.stored - int(n_drop.flatten()[0])))
+        self.seen = new_seen
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.batch_select_indices(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if not self.is_initialized:
+            return
+        self._map_tensors(lambda t: t.index_select(0, indices.to(t.device)), include_rows=True)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if not self.is_initialized:
+            return
+        self._map_tensors(lambda t: t.repeat_interleave(repeats, dim=0), include_rows=True)
+
+    # ------------------------------------------------------------------ kvpress API
+    @property
+    def stored(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[-2]
+
+    @property
+    def is_compacted(self) -> bool:
+        """True once any token was evicted: slot j no longer sits at position j."""
+        return self.positions is not None
+
+    def key_positions(self) -> torch.Tensor:
+        """[B, Hkv, T] original position of every stored slot."""
+        if self.positions is not None:
+            return self.positions
+        batch, heads, length, _ = self.keys.shape
+        return torch.arange(length, device=self.keys.device).expand(batch, heads, length)
+
+    def key_valid(self) -> torch.Tensor:
+        """[B, Hkv, T] which stored slots hold real tokens."""
+        if self.valid is not None:
+            return self.valid
+        batch, heads, length, _ = self.keys.shape
+        return torch.ones(batch, heads, length, dtype=torch.bool, device=self.keys.device)
+
+    def tokens_per_head(self) -> torch.Tensor:
+        """[B, Hkv] real tokens kept in each head."""
+        return self.key_valid().sum(-1)
+
+    def keep(self, indices: torch.Tensor, keep_valid: torch.Tensor | None = None) -> None:
+        """Compact storage to `indices` [B, Hkv, T'] (slots to keep, per row and KV head). `keep_valid`
+        [B, Hkv, T'] flags slots kept only to make rows rectangular; they become invalid. Frees the rest."""
+        batch, heads = self.keys.shape[:2]
+        if indices.dim() != 3 or indices.shape[:2] != (batch, heads):
+            raise ValueError(f"keep: indices must be [B={batch}, Hkv={heads}, T'], got {tuple(indices.shape)}")
+        indices, order = indices.sort(dim=-1)  # keep slots sorted by position
+        if keep_valid is not None:
+            keep_valid = keep_valid.gather(-1, order)
+        positions = self.key_positions().to(torch.int32)
+        valid = None if self.valid is None else self.valid.gather(-1, indices)
+        if keep_valid is not None and not bool(keep_valid.all()):
+            valid = keep_valid if valid is None else valid & keep_valid
+        gather_kv = indices[..., None].expand(-1, -1, -1, self.keys.shape[-1])
+        self.keys = self.keys.gather(2, gather_kv)
+        self.values = self.values.gather(2, gather_kv)
+        self.positions = positions.gather(-1, indices)
+        self.valid = valid
+        self.slot_state = {name: s.gather(-1, indices) for name, s in self.slot_state.items()}
+
+    def nbytes(self) -> int:
+        """Bytes held by this layer's storage tensors (keys, values, positions, validity, policy state)."""
+        return sum(t.numel() * t.element_size() for t in self._tensors())
+
+    def kv_nbytes(self) -> int:
+        """Bytes held by keys and values alone."""
+        if not self.is_initialized:
+            return 0
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.values))
+
+    # ------------------------------------------------------------------ internals
+    def _tensors(self):
+        if not self.is_initialized:
+            return []
+        extra = [t for t in (self.positions, self.valid) if t is not None]
+        return [self.keys, self.values, *extra, *self.slot_state.values()]
+
+    def _slice(self, sl: slice) -> None:
+        # clone: a view would keep the whole old buffer alive and nbytes() would under-report it
+        self.keys = self.keys[:, :, sl].clone()
+        self.values = self.values[:, :, sl].clone()
+        if self.positions is not None:
+            self.positions = self.positions[..., sl].clone()
+        if self.valid is not None:
+            self.valid = self.valid[..., sl].clone()
+        self.slot_state = {name: s[..., sl].clone() for name, s in self.slot_state.items()}
+
+    def _map_tensors(self, fn, include_rows: bool = False) -> None:
+        self.keys, self.values = fn(self.keys), fn(self.values)
+        if self.positions is not None:
+            self.positions = fn(self.positions)
+        if self.valid is not None:
+            self.valid = fn(self.valid)
+        self.slot_state = {name: fn(s) for name, s in self.slot_state.items()}
+        if include_rows and self.row_budget is not None:
+            self.row_budget = fn(self.row_budget)

@@ -1,0 +1,279 @@
+"""The one attention integration: a registered attention function + mask function, hooks that bind the live
+cache, and patch_model / unpatch (instance-level only; nothing happens at import).
+
+Inside every supported HF attention module the order is projections -> RoPE -> cache.update -> attention
+function. So the attention function sees the post-RoPE query and the layer's stored keys/values; it runs
+the model's own base implementation (sdpa / eager / flash), then lets the policy compact the layer.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from dataclasses import dataclass
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from ..cache import KVPressCache, KVPressLayer
+from ..kernels import allowed_mask
+from ..policies import Context, Policy, resolve_policy
+
+SUPPORTED_BASES = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")
+_PREFIX = "kvpress_"
+
+_BINDINGS: "weakref.WeakKeyDictionary[torch.nn.Module, _Binding]" = weakref.WeakKeyDictionary()
+_PATCHES: "weakref.WeakKeyDictionary[torch.nn.Module, Patch]" = weakref.WeakKeyDictionary()
+_LAST_STATS: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
+
+
+@dataclass
+class _Binding:
+    """Per attention module: its patch, its rotary frequencies, and the cache of the forward in flight."""
+
+    patch: "Patch"
+    inv_freq: torch.Tensor | None = None
+    cache: object = None
+
+
+# ---------------------------------------------------------------------------- the attention function
+def kvpress_attention(module, query, key, value, attention_mask, **kwargs):
+    binding = _BINDINGS.get(module)
+    if binding is None:
+        raise RuntimeError(f"{type(module).__name__} runs kvpress attention but is not patched by kvpress")
+    patch = binding.patch
+    cache = binding.cache
+    layer = cache.layers[module.layer_idx] if isinstance(cache, KVPressCache) else None
+    if not isinstance(layer, KVPressLayer):  # no cache, a stock cache, or a stock (sliding) layer
+        return patch.base_attention(module, query, key, value, attention_mask, **kwargs)
+
+    past = layer.seen - layer.last_q_len
+    phase = "prefill" if past == 0 else ("decode" if layer.last_q_len == 1 else "extend")
+    ctx = Context(
+        module=module, layer=layer, phase=phase, query=query,
+        scaling=kwargs.get("scaling", getattr(module, "scaling", query.shape[-1] ** -0.5)),
+        softcap=kwargs.get("softcap"), sliding_window=kwargs.get("sliding_window"),
+        rotary_inv_freq=binding.inv_freq,
+    )
+    keys = patch.policy.key_view(ctx)
+    if layer.is_compacted:
+        # Slot j no longer sits at position j: the HF mask does not describe this layer; build ours.
+        out = patch.attention_with_mask(module, query, keys, value, ctx, **kwargs)
+    else:
+        out = patch.base_attention(module, query, keys, value, attention_mask, **kwargs)
+
+    # Attention above used the full, uncompressed view (prefill is exact); now the policy may evict.
+    if phase == "prefill":
+        patch.policy.on_prefill(ctx)
+    elif phase == "decode":
+        patch.policy.on_decode(ctx)
+    else:
+        patch.policy.on_extend(ctx)
+    return out
+
+
+# ---------------------------------------------------------------------------- patch
+class Patch:
+    """A patched model. Use as a context manager, or call `unpatch()`."""
+
+    def __init__(self, model, policy: Policy, base: str, attention_modules, inv_freqs):
+        self.model = model
+        self.policy = policy
+        self.base = base
+        self._handles = []
+        self._had_generate = "generate" in model.__dict__
+        self._previous_generate = model.__dict__.get("generate")
+        if base == "eager":
+            self._base_fn = _eager_function(attention_modules[0])
+        else:
+            self._base_fn = ALL_ATTENTION_FUNCTIONS[base]
+
+        name = _PREFIX + base
+        AttentionInterface.register(name, kvpress_attention)
+        AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[base])
+        model.set_attn_implementation(name)
+        if model.config._attn_implementation != name:
+            model.set_attn_implementation(base)
+            raise ValueError(f"{type(model).__name__} refused attn_implementation={name!r}; it cannot be patched")
+
+        for module, inv_freq in zip(attention_modules, inv_freqs):
+            _BINDINGS[module] = _Binding(self, inv_freq)
+            self._handles.append(module.register_forward_pre_hook(_bind_cache, with_kwargs=True))
+        self._handles.append(model.register_forward_pre_hook(_before_model_forward, with_kwargs=True))
+        self._handles.append(model.register_forward_hook(_after_model_forward, with_kwargs=True))
+        self._attention_modules = list(attention_modules)
+        model.generate = self._wrap_generate(model.generate)
+        _PATCHES[model] = self
+
+    # -- attention helpers
+    def base_attention(self, module, query, key, value, attention_mask, **kwargs):
+        return self._base_fn(module, query, key, value, attention_mask, **kwargs)
+
+    def attention_with_mask(self, module, query, key, value, ctx: Context, **kwargs):
+        """Base attention over a compacted layer, with the mask built from stored positions/validity."""
+        allowed = allowed_mask(ctx.query_positions(), ctx.layer.key_positions(), ctx.layer.valid, ctx.sliding_window)
+        allowed = allowed.repeat_interleave(ctx.group_size, dim=1)  # [B, Hq, q, T]
+        if self.base == "eager":
+            mask = torch.zeros(allowed.shape, dtype=query.dtype, device=query.device)
+            mask = mask.masked_fill(~allowed, torch.finfo(query.dtype).min)
+            return self._base_fn(module, query, key, value, mask, **kwargs)
+        # sdpa takes the boolean mask as is; flash kernels cannot take an arbitrary mask, so sdpa serves them.
+        return sdpa_attention_forward(module, query, key, value, allowed, **kwargs)
+
+    # -- generate
+    def _wrap_generate(self, generate):
+        model = self.model
+
+        @functools.wraps(generate)
+        def kvpress_generate(*args, **kwargs):
+            if kwargs.get("past_key_values") is None and kwargs.get("use_cache", True):
+                kwargs["past_key_values"] = KVPressCache(model.config)
+            out = generate(*args, **kwargs)
+            cache = kwargs["past_key_values"] if kwargs.get("use_cache", True) else None
+            if isinstance(cache, KVPressCache):
+                _LAST_STATS[model] = cache_summary(cache, self.policy)
+            return out
+
+        return kvpress_generate
+
+    # -- undo
+    def unpatch(self) -> None:
+        """Restore the model exactly as it was before patch_model."""
+        if _PATCHES.get(self.model) is not self:
+            return
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        for module in self._attention_modules:
+            _BINDINGS.pop(module, None)
+        if self._had_generate:
+            self.model.generate = self._previous_generate
+        else:
+            del self.model.generate
+        self.model.set_attn_implementation(self.base)
+        del _PATCHES[self.model]
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.unpatch()
+        return False
+
+    def __repr__(self):
+        return f"Patch({type(self.model).__name__}, policy={self.policy.describe()}, base={self.base!r})"
+
+
+def _bind_cache(module, args, kwargs):
+    binding = _BINDINGS.get(module)
+    if binding is not None:
+        binding.cache = kwargs.get("past_key_values")
+
+
+def _before_model_forward(model, args, kwargs):
+    cache = kwargs.get("past_key_values")
+    if isinstance(cache, KVPressCache):
+        cache.set_attention_mask(kwargs.get("attention_mask"))
+        cache.in_prefill = cache.get_seq_length() == 0
+
+
+def _after_model_forward(model, args, kwargs, output):
+    cache = kwargs.get("past_key_values")
+    if isinstance(cache, KVPressCache) and getattr(cache, "in_prefill", False):
+        cache.prefill_nbytes = cache.nbytes()
+        cache.prefill_kv_nbytes = sum(row["kv_bytes"] for row in cache.stats())
+        cache.in_prefill = False
+
+
+def _eager_function(attention_module):
+    """The model's own eager attention (transformers keeps it in the modeling file, not in the registry)."""
+    import sys
+
+    fn = getattr(sys.modules[type(attention_module).__module__], "eager_attention_forward", None)
+    if fn is None:
+        raise ValueError(
+            f"attn_implementation='eager': {type(attention_module).__name__}'s module has no eager_attention_forward; "
+            f"load the model with attn_implementation='sdpa'"
+        )
+    return fn
+
+
+# ---------------------------------------------------------------------------- discovery and validation
+def attention_modules_of(model) -> list[torch.nn.Module]:
+    """Attention modules that follow transformers' attention-interface pattern."""
+    return [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "num_key_value_groups")]
+
+
+def _rotary_inv_freq(model, module) -> torch.Tensor:
+    rotaries = [m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")]
+    if len(rotaries) == 1:
+        rotary = rotaries[0]
+        layer_type = getattr(module, "layer_type", None)
+        for attr in ("inv_freq", f"{layer_type}_inv_freq"):
+            inv_freq = getattr(rotary, attr, None)
+            if isinstance(inv_freq, torch.Tensor):
+                scaling = getattr(rotary, "attention_scaling", None)
+                scaling = getattr(rotary, f"{layer_type}_attention_scaling", scaling)
+                if scaling in (None, 1.0):
+                    return inv_freq
+    raise ValueError(
+        "cache_local_positions=True re-rotates keys and needs one standard rotary embedding (no attention "
+        "scaling) in the model; allowed values for this model: cache_local_positions=False"
+    )
+
+
+def patch_model(model, policy: str | Policy | None = "none", **params) -> Patch:
+    """Make `model.generate` (and forwards given a KVPressCache) keep a compressed KV cache.
+
+    `policy` is a name from `kvpress.list_policies()` or a Policy instance; `params` are its
+    hyper-parameters (e.g. compression_ratio=0.75, or budget=512). Returns a Patch: use it as a context
+    manager or call `.unpatch()`. All checks run before the model is touched."""
+    policy = resolve_policy(policy, **params)
+    if model in _PATCHES:
+        raise ValueError("model is already patched by kvpress; call .unpatch() on the existing patch first")
+    modules = attention_modules_of(model)
+    backend_ok = getattr(type(model), "is_backend_compatible", lambda: False)()
+    if not modules or not backend_ok:
+        raise ValueError(
+            f"model: {type(model).__name__} does not run its attention through transformers' AttentionInterface "
+            f"(the attention function kvpress hooks); allowed: models whose attention modules call "
+            f"ALL_ATTENTION_FUNCTIONS, e.g. Llama, Mistral, Qwen2, Qwen3, Gemma3, Phi3"
+        )
+    base = model.config._attn_implementation
+    if base is not None and base.startswith(_PREFIX):
+        raise ValueError("model is already patched by kvpress; call .unpatch() on the existing patch first")
+    if base not in SUPPORTED_BASES:
+        raise ValueError(f"attn_implementation={base!r} cannot be wrapped; allowed values: {list(SUPPORTED_BASES)}")
+    needs_rotary = getattr(policy, "cache_local_positions", False)
+    inv_freqs = [_rotary_inv_freq(model, m) if needs_rotary else None for m in modules]
+    return Patch(model, policy, base, modules, inv_freqs)
+
+
+def unpatch(model) -> None:
+    patch = _PATCHES.get(model)
+    if patch is not None:
+        patch.unpatch()
+
+
+def cache_summary(cache: KVPressCache, policy: Policy | None = None) -> dict:
+    layers = cache.stats()
+    return dict(
+        policy=policy.describe() if policy is not None else None,
+        seen=max((row["seen"] for row in layers), default=0),
+        kv_bytes=sum(row["kv_bytes"] for row in layers),
+        bytes=cache.nbytes(),
+        prefill_kv_bytes=getattr(cache, "prefill_kv_nbytes", None),
+        prefill_bytes=getattr(cache, "prefill_nbytes", None),
+        layers=layers,
+    )
+
+
+def last_cache_stats(model) -> dict:
+    """Summary of the cache of the last `generate` run through a kvpress patch on `model`: tokens seen,
+    bytes kept (total and right after prefill), and per-layer rows (seen, stored, kept per head, bytes)."""
+    if model not in _LAST_STATS:
+        raise ValueError("no kvpress generate has run on this model yet; call model.generate inside patch_model")
+    return _LAST_STATS[model]

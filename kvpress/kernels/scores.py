@@ -1,0 +1,94 @@
+"""Attention scores for policies (torch reference; used on every device for now).
+
+Masking is defined once, in `allowed_mask`: a query at raw position p may read a stored slot when the slot
+is a real token, its original position is <= p, and (for sliding-window layers) > p - window.
+GQA is handled by grouping query heads under their KV head, never by repeating keys.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Upper bound on fp32 elements of one logits block when summing attention column-wise (~64 MB).
+_BLOCK_ELEMENTS = 1 << 24
+
+
+def allowed_mask(
+    query_positions: torch.Tensor,
+    key_positions: torch.Tensor,
+    key_valid: torch.Tensor | None,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """[B, Hkv, q, T] bool: may query row i (raw position query_positions[i]) read stored slot t."""
+    q = query_positions.view(1, 1, -1, 1)
+    k = key_positions[:, :, None, :]
+    allowed = k <= q
+    if sliding_window is not None:
+        allowed = allowed & (k > q - sliding_window)
+    if key_valid is not None:
+        allowed = allowed & key_valid[:, :, None, :]
+    # A row with nothing to read (a padding query) may read itself, so softmax never sees an all -inf row.
+    return allowed | (k == q)
+
+
+def _grouped_logits(query, keys, scaling, softcap):
+    """query [B, Hq, r, D], keys [B, Hkv, T, D] -> fp32 logits [B, Hkv, g, r, T]."""
+    batch, hq, rows, dim = query.shape
+    hkv = keys.shape[1]
+    q = query.reshape(batch, hkv, hq // hkv, rows, dim).float()
+    logits = torch.einsum("bhgrd,bhtd->bhgrt", q, keys.float()) * scaling
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    return logits
+
+
+def attention_probs(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    scaling: float,
+    query_positions: torch.Tensor,
+    key_positions: torch.Tensor,
+    key_valid: torch.Tensor | None,
+    softcap: float | None = None,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Softmax attention [B, Hq, r, T] (fp32) of `query` rows over stored `keys`."""
+    batch, hq, rows, _ = query.shape
+    logits = _grouped_logits(query, keys, scaling, softcap)
+    allowed = allowed_mask(query_positions, key_positions, key_valid, sliding_window)
+    logits = logits.masked_fill(~allowed[:, :, None], float("-inf"))
+    return logits.softmax(-1).reshape(batch, hq, rows, -1)
+
+
+def attention_column_sums(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    scaling: float,
+    query_positions: torch.Tensor,
+    key_positions: torch.Tensor,
+    key_valid: torch.Tensor | None,
+    softcap: float | None = None,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Attention each slot receives, summed over the real query rows: [B, Hq, T] (fp32), computed in
+    query-row chunks so memory is O(chunk x T) rather than O(q x T)."""
+    batch, hq, rows, _ = query.shape
+    length = keys.shape[2]
+    chunk = max(1, min(rows, _BLOCK_ELEMENTS // max(1, batch * hq * length)))
+    # Padding query rows attend only to themselves (see allowed_mask); they must not vote.
+    if key_valid is None:
+        query_real = None
+    else:
+        by_pos = torch.zeros(batch, int(key_positions.max()) + 1, dtype=torch.bool, device=keys.device)
+        by_pos.scatter_(1, key_positions[:, 0].long(), key_valid[:, 0])
+        query_real = by_pos[:, query_positions]  # [B, rows]
+    total = torch.zeros(batch, hq, length, dtype=torch.float32, device=keys.device)
+    for start in range(0, rows, chunk):
+        sl = slice(start, min(rows, start + chunk))
+        probs = attention_probs(
+            query[:, :, sl], keys, scaling, query_positions[sl], key_positions, key_valid, softcap, sliding_window
+        )
+        if query_real is not None:
+            probs = probs * query_real[:, None, sl, None]
+        total += probs.sum(2)
+    return total

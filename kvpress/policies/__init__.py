@@ -1,0 +1,17 @@
+"""Policies: one small file each, registered by name."""
+
+from .base import BudgetPolicy, Context, Policy, ScorerPolicy, select_kept
+from .registry import get_policy_class, list_policies, register, resolve_policy
+from .none import NoCompression
+from .knorm import Knorm
+from .random import RandomPolicy
+from .tova import TOVA
+from .snapkv import SnapKV
+from .h2o import H2O
+from .streaming_llm import StreamingLLM
+
+__all__ = [
+    "Policy", "BudgetPolicy", "ScorerPolicy", "Context", "select_kept",
+    "register", "list_policies", "get_policy_class", "resolve_policy",
+    "NoCompression", "Knorm", "RandomPolicy", "TOVA", "SnapKV", "H2O", "StreamingLLM",
+]

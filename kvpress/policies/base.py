@@ -1,0 +1,219 @@
+"""Policy base classes, the context a policy sees, and the one place where scores become kept slots.
+
+A policy is a dataclass of hyper-parameters with optional hooks (no-ops by default):
+  on_prefill(ctx)  after the first forward of a layer (the prompt): may compact the layer
+  on_decode(ctx)   after a one-token forward: may compact the layer
+  on_extend(ctx)   after a multi-token forward on a non-empty layer (a later turn, a verification):
+                   never evicts (design invariant 4), may update per-slot state
+  key_view(ctx)    the keys attention reads (default: the stored keys)
+Policies hold no per-call state: whatever must persist lives in the cache layer (`slot_state`, `row_budget`).
+
+`ScorerPolicy` subclasses implement only `score(ctx) -> [B, Hkv, T]` (higher = keep), optionally
+`protected(ctx, n_keep)`; the shared code turns scores into kept indices under the budget.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from ..kernels import attention_probs, attention_column_sums
+
+
+# ---------------------------------------------------------------------------- context
+@dataclass
+class Context:
+    """What a policy hook sees for one attention layer in one forward."""
+
+    module: torch.nn.Module
+    layer: "KVPressLayer"  # noqa: F821
+    phase: str  # "prefill" | "decode" | "extend"
+    query: torch.Tensor  # [B, Hq, q_len, D], post-RoPE
+    scaling: float
+    softcap: float | None = None
+    sliding_window: int | None = None
+    rotary_inv_freq: torch.Tensor | None = None  # for policies that re-rotate keys (cache-local positions)
+
+    @property
+    def keys(self) -> torch.Tensor:
+        return self.layer.keys
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self.layer.values
+
+    @property
+    def q_len(self) -> int:
+        return self.query.shape[2]
+
+    @property
+    def group_size(self) -> int:
+        return self.query.shape[1] // self.keys.shape[1]
+
+    @property
+    def layer_idx(self) -> int:
+        return self.module.layer_idx
+
+    def query_positions(self, last: int | None = None) -> torch.Tensor:
+        """Raw positions of the (last `last`) query rows of this forward."""
+        last = self.q_len if last is None else last
+        return torch.arange(self.layer.seen - last, self.layer.seen, device=self.keys.device)
+
+    def attention_probs(self, last: int | None = None) -> torch.Tensor:
+        """Softmax attention [B, Hq, r, T] (fp32) of the last `last` query rows over the stored slots, with the
+        same causal / padding / sliding-window masking the model's attention used."""
+        last = self.q_len if last is None else last
+        return attention_probs(
+            self.query[:, :, -last:], self.keys, self.scaling,
+            self.query_positions(last), self.layer.key_positions(), self.layer.valid,
+            softcap=self.softcap, sliding_window=self.sliding_window,
+        )
+
+    def attention_column_sums(self) -> torch.Tensor:
+        """Attention received by each slot, summed over all query rows of this forward: [B, Hq, T] (fp32).
+        Computed in query chunks, so a long prompt never materialises its full attention matrix."""
+        return attention_column_sums(
+            self.query, self.keys, self.scaling,
+            self.query_positions(), self.layer.key_positions(), self.layer.valid,
+            softcap=self.softcap, sliding_window=self.sliding_window,
+        )
+
+    def to_kv_heads(self, per_query_head: torch.Tensor, reduce: str = "mean") -> torch.Tensor:
+        """[B, Hq, ...] -> [B, Hkv, ...] by reducing each GQA group (design invariant 6)."""
+        batch, hq = per_query_head.shape[:2]
+        grouped = per_query_head.reshape(batch, hq // self.group_size, self.group_size, *per_query_head.shape[2:])
+        if reduce == "mean":
+            return grouped.mean(2)
+        if reduce == "sum":
+            return grouped.sum(2)
+        if reduce == "max":
+            return grouped.amax(2)
+        raise ValueError(f"reduce={reduce!r}; allowed values: 'mean', 'sum', 'max'")
+
+
+# ---------------------------------------------------------------------------- selection helpers
+def first_valid(valid: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    """Mask of the first `n` [B, Hkv] real slots of each row/head (slots are sorted by position)."""
+    return valid & (valid.cumsum(-1) <= n[..., None])
+
+
+def last_valid(valid: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    """Mask of the last `n` [B, Hkv] real slots of each row/head."""
+    from_end = valid.flip(-1).cumsum(-1).flip(-1)
+    return valid & (from_end <= n[..., None])
+
+
+def select_kept(
+    scores: torch.Tensor, valid: torch.Tensor, n_keep: torch.Tensor, protected: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-`n_keep` [B, Hkv] real slots per row/head by score, protected slots first.
+
+    Returns (indices [B, Hkv, T'], keep_valid [B, Hkv, T']) with T' = max n_keep: storage stays
+    rectangular, and rows/heads that keep fewer tokens mark the extra slots invalid (never attended)."""
+    s = scores.float()
+    if protected is not None:
+        s = s.masked_fill(protected & valid, math.inf)
+    s = s.masked_fill(~valid, -math.inf)
+    width = int(n_keep.max())
+    indices = s.topk(width, dim=-1, sorted=True).indices
+    keep_valid = torch.arange(width, device=s.device) < n_keep[..., None]
+    return indices, keep_valid
+
+
+# ---------------------------------------------------------------------------- policies
+@dataclass
+class Policy:
+    """Base policy: keeps everything. Subclasses add hyper-parameters and hooks."""
+
+    name: ClassVar[str] = "none"
+    needs_budget: ClassVar[bool] = False
+
+    def validate(self) -> None:
+        """Raise ValueError naming the parameter and its allowed values; called before any patching."""
+
+    def __post_init__(self):
+        self.validate()
+
+    def on_prefill(self, ctx: Context) -> None:
+        pass
+
+    def on_decode(self, ctx: Context) -> None:
+        pass
+
+    def on_extend(self, ctx: Context) -> None:
+        pass
+
+    def key_view(self, ctx: Context) -> torch.Tensor:
+        return ctx.keys
+
+    def describe(self) -> str:
+        fields = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self))
+        return f"{self.name}({fields})"
+
+
+@dataclass
+class BudgetPolicy(Policy):
+    """A policy that evicts down to a budget, given as `compression_ratio` (fraction of the prompt removed,
+    in [0, 1)) or as an absolute token `budget` per layer, per KV head."""
+
+    compression_ratio: float | None = None
+    budget: int | None = None
+    needs_budget: ClassVar[bool] = True
+
+    def validate(self) -> None:
+        if (self.compression_ratio is None) == (self.budget is None):
+            raise ValueError(
+                f"{self.name}: give exactly one of compression_ratio (a float in [0, 1)) or budget (an int >= 1); "
+                f"got compression_ratio={self.compression_ratio!r}, budget={self.budget!r}"
+            )
+        if self.compression_ratio is not None and not (0.0 <= float(self.compression_ratio) < 1.0):
+            raise ValueError(
+                f"{self.name}: compression_ratio={self.compression_ratio!r} is outside the allowed range [0, 1)"
+            )
+        if self.budget is not None and (not isinstance(self.budget, int) or self.budget < 1):
+            raise ValueError(f"{self.name}: budget={self.budget!r}; allowed values: an int >= 1")
+
+    def row_budget(self, n_real: torch.Tensor) -> torch.Tensor:
+        """Tokens each row may keep, from its count of real prompt tokens [B]."""
+        if self.budget is not None:
+            return torch.full_like(n_real, self.budget)
+        removed = torch.floor(n_real.double() * self.compression_ratio).long()
+        return (n_real - removed).clamp(min=1)
+
+
+@dataclass
+class ScorerPolicy(BudgetPolicy):
+    """Scores every stored slot; shared code keeps the best `budget` per row and KV head."""
+
+    evicts_during_decode: ClassVar[bool] = False
+
+    def score(self, ctx: Context) -> torch.Tensor:
+        """[B, Hkv, T] importance of each stored slot (higher = keep)."""
+        raise NotImplementedError
+
+    def protected(self, ctx: Context, n_keep: torch.Tensor) -> torch.Tensor | None:
+        """[B, Hkv, T] slots kept whatever their score (at most n_keep per row/head)."""
+        return None
+
+    def on_prefill(self, ctx: Context) -> None:
+        n_real = ctx.layer.key_valid()[:, 0].sum(-1)
+        ctx.layer.row_budget = self.row_budget(n_real)
+        self.compress(ctx, self.score(ctx))
+
+    def on_decode(self, ctx: Context) -> None:
+        if self.evicts_during_decode:
+            self.compress(ctx, self.score(ctx))
+
+    def compress(self, ctx: Context, scores: torch.Tensor) -> None:
+        layer = ctx.layer
+        valid = layer.key_valid()
+        n_valid = valid.sum(-1)  # [B, Hkv]
+        n_keep = torch.minimum(layer.row_budget[:, None].to(n_valid), n_valid)
+        if bool((n_keep == n_valid).all()) and layer.stored == int(n_keep.max()):
+            return  # within budget and already rectangular: nothing to free
+        indices, keep_valid = select_kept(scores, valid, n_keep, self.protected(ctx, n_keep))
+        layer.keep(indices, keep_valid)

@@ -1,0 +1,44 @@
+from dataclasses import dataclass
+
+import torch
+
+from .base import Context, ScorerPolicy, last_valid
+from .registry import register
+
+_STATE = "h2o_accumulated_attention"
+
+
+@register
+@dataclass
+class H2O(ScorerPolicy):
+    """H2O (Zhang et al. 2023): keep the heavy hitters (highest attention accumulated over every query so far,
+    summed over each GQA group, fp32) plus the `recent` newest tokens. Cuts the prompt to the budget at
+    prefill (column sums computed in query chunks), then evicts at every decode step to hold the budget.
+    `recent` defaults to half the budget (the paper's 1:1 heavy:recent split)."""
+
+    name = "h2o"
+    recent: int | None = None
+    evicts_during_decode = True
+
+    def validate(self) -> None:
+        super().validate()
+        if self.recent is not None and (not isinstance(self.recent, int) or self.recent < 0):
+            raise ValueError(f"h2o: recent={self.recent!r}; allowed values: an int >= 0")
+        if self.budget is not None and self.recent is not None and self.budget < self.recent:
+            raise ValueError(
+                f"h2o: budget={self.budget} is smaller than recent={self.recent}; allowed values: budget >= recent"
+            )
+
+    def score(self, ctx: Context):
+        # Accumulate this forward's attention into the per-slot state the layer carries between steps.
+        received = ctx.to_kv_heads(ctx.attention_column_sums(), "sum")
+        layer = ctx.layer
+        layer.slot_state[_STATE] = layer.slot_state.get(_STATE, torch.zeros_like(received)) + received
+        return layer.slot_state[_STATE]
+
+    def on_extend(self, ctx: Context) -> None:
+        self.score(ctx)  # keep accumulating; extension forwards never evict
+
+    def protected(self, ctx: Context, n_keep: torch.Tensor):
+        recent = n_keep // 2 if self.recent is None else torch.full_like(n_keep, self.recent)
+        return last_valid(ctx.layer.key_valid(), torch.minimum(recent, n_keep))

@@ -1,0 +1,12 @@
+from dataclasses import dataclass
+
+from .base import Policy
+from .registry import register
+
+
+@register
+@dataclass
+class NoCompression(Policy):
+    """Keeps every token: the patched model behaves exactly like the unpatched one."""
+
+    name = "none"

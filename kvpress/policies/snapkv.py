@@ -1,0 +1,56 @@
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .base import Context, ScorerPolicy, last_valid
+from .registry import register
+
+
+@register
+@dataclass
+class SnapKV(ScorerPolicy):
+    """SnapKV (Li et al. 2024): at prefill, the last `window_size` prompt queries vote (softmax over all keys,
+    window columns then dropped), votes are pooled along the sequence (`pooling` 'max' or 'avg', odd
+    `kernel_size`) and averaged over each GQA group; each KV head keeps its top slots plus the window.
+    No eviction while decoding. Defaults follow the paper's LongBench configs (window 32, kernel 7, max).
+    The budget counts the window; if a row's budget is below the window, only its last `budget` tokens stay."""
+
+    name = "snapkv"
+    window_size: int = 32
+    kernel_size: int = 7
+    pooling: str = "max"
+
+    def validate(self) -> None:
+        super().validate()
+        if not isinstance(self.window_size, int) or self.window_size < 1:
+            raise ValueError(f"snapkv: window_size={self.window_size!r}; allowed values: an int >= 1")
+        if not isinstance(self.kernel_size, int) or self.kernel_size < 1 or self.kernel_size % 2 == 0:
+            raise ValueError(f"snapkv: kernel_size={self.kernel_size!r}; allowed values: an odd int >= 1")
+        if self.pooling not in ("max", "avg"):
+            raise ValueError(f"snapkv: pooling={self.pooling!r}; allowed values: 'max', 'avg'")
+        if self.budget is not None and self.budget < self.window_size:
+            raise ValueError(
+                f"snapkv: budget={self.budget} is smaller than window_size={self.window_size}; "
+                f"allowed values: budget >= window_size"
+            )
+
+    def _window(self, ctx: Context, n_keep: torch.Tensor | None = None) -> torch.Tensor:
+        valid = ctx.layer.key_valid()
+        n = torch.full(valid.shape[:2], min(self.window_size, ctx.q_len), device=valid.device)
+        return last_valid(valid, n if n_keep is None else torch.minimum(n, n_keep))
+
+    def score(self, ctx: Context):
+        window = min(self.window_size, ctx.q_len)
+        votes = ctx.attention_probs(last=window).sum(2)  # [B, Hq, T]
+        # window columns are dropped before pooling, as in the reference (they are kept anyway)
+        votes = votes.masked_fill(self._window(ctx).repeat_interleave(ctx.group_size, 1), 0.0)
+        pad = self.kernel_size // 2
+        if self.pooling == "max":
+            pooled = F.max_pool1d(votes, self.kernel_size, stride=1, padding=pad)
+        else:
+            pooled = F.avg_pool1d(votes, self.kernel_size, stride=1, padding=pad)
+        return ctx.to_kv_heads(pooled, "mean")
+
+    def protected(self, ctx: Context, n_keep: torch.Tensor):
+        return self._window(ctx, n_keep)

@@ -1,0 +1,18 @@
+from dataclasses import dataclass
+
+from .base import Context, ScorerPolicy
+from .registry import register
+
+
+@register
+@dataclass
+class TOVA(ScorerPolicy):
+    """TOVA (Oren et al. 2024): keep the slots the last query attends to most, averaged over all query heads;
+    one index set shared by every KV head. Trims the prompt at prefill, then evicts one token per step."""
+
+    name = "tova"
+    evicts_during_decode = True
+
+    def score(self, ctx: Context):
+        probs = ctx.attention_probs(last=1)[:, :, 0]  # [B, Hq, T]
+        return probs.mean(1, keepdim=True).expand(-1, ctx.keys.shape[1], -1)
