@@ -1,0 +1,93 @@
+"""KVPressLayer / KVPressCache on their own: counters, mask sizes, compaction, rollback, beams, bytes."""
+
+import pytest
+import torch
+
+from kvpress import KVPressCache, KVPressLayer
+
+
+def filled(batch=2, heads=3, length=10, dim=4, valid=None):
+    layer = KVPressLayer()
+    k = torch.randn(batch, heads, length, dim)
+    v = torch.randn(batch, heads, length, dim)
+    layer.update(k, v, new_valid=valid)
+    return layer, k, v
+
+
+def storage_bytes(layer):
+    tensors = [layer.keys, layer.values, layer.positions, layer.valid, *layer.slot_state.values()]
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def test_seen_and_mask_sizes_follow_tokens_seen_not_stored():
+    layer, _, _ = filled(length=10)
+    assert layer.get_seq_length() == 10 and layer.get_mask_sizes(1) == (11, 0)
+    layer.keep(torch.tensor([0, 3, 9]).expand(2, 3, 3))
+    assert layer.stored == 3 and layer.get_seq_length() == 10
+    assert layer.get_mask_sizes(1) == (4, 7)  # stored + q, seen - stored
+    layer.update(torch.randn(2, 3, 1, 4), torch.randn(2, 3, 1, 4))
+    assert layer.key_positions()[0, 0].tolist() == [0, 3, 9, 10]
+
+
+def test_keep_is_per_kv_head_sorted_and_frees_memory():
+    layer, k, v = filled(batch=1, heads=2, length=8)
+    idx = torch.tensor([[[5, 1, 7], [0, 2, 4]]])
+    layer.keep(idx)
+    assert layer.key_positions().tolist() == [[[1, 5, 7], [0, 2, 4]]]
+    assert torch.equal(layer.keys[0, 0], k[0, 0, [1, 5, 7]])
+    assert torch.equal(layer.values[0, 1], v[0, 1, [0, 2, 4]])
+    # the storage really shrank: no view onto the old buffer
+    assert layer.keys.untyped_storage().nbytes() == layer.keys.numel() * layer.keys.element_size()
+    assert layer.nbytes() == storage_bytes(layer)
+    assert layer.kv_nbytes() == 2 * 1 * 2 * 3 * 4 * 4
+
+
+def test_nbytes_counts_every_storage_tensor():
+    layer, _, _ = filled()
+    assert layer.nbytes() == storage_bytes(layer) == layer.kv_nbytes()
+    layer.slot_state["score"] = torch.zeros(2, 3, 10)
+    layer.keep(torch.arange(4).expand(2, 3, 4), torch.tensor([True, True, True, False]).expand(2, 3, 4))
+    assert layer.valid is not None and layer.nbytes() == storage_bytes(layer)
+
+
+def test_padding_marks_slots_invalid():
+    mask = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]], dtype=torch.bool)
+    layer, _, _ = filled(length=4, valid=mask)
+    assert layer.key_valid()[:, 0].tolist() == mask.tolist()
+    layer.update(torch.randn(2, 3, 1, 4), torch.randn(2, 3, 1, 4), new_valid=torch.ones(2, 1, dtype=torch.bool))
+    assert layer.tokens_per_head().tolist() == [[3, 3, 3], [5, 5, 5]]
+
+
+def test_crop_rolls_back_the_tail():
+    layer, k, _ = filled(batch=1, heads=1, length=6)
+    layer.keep(torch.tensor([[[0, 2, 4, 5]]]))
+    layer.update(torch.randn(1, 1, 3, 4), torch.randn(1, 1, 3, 4))
+    layer.crop(-2)
+    assert layer.seen == 7 and layer.key_positions().tolist() == [[[0, 2, 4, 5, 6]]]
+    assert torch.equal(layer.keys[0, 0, :4], k[0, 0, [0, 2, 4, 5]])
+    # heads that evicted different parts of the tail cannot be rolled back consistently
+    ragged, _, _ = filled(batch=1, heads=2, length=6)
+    ragged.keep(torch.tensor([[[0, 2, 4, 5], [0, 1, 2, 3]]]))
+    ragged.update(torch.randn(1, 2, 1, 4), torch.randn(1, 2, 1, 4))
+    with pytest.raises(RuntimeError, match="partly evicted"):
+        ragged.crop(-2)
+    plain, _, _ = filled(length=6)
+    plain.crop(4)  # legacy meaning: keep the first 4 seen
+    assert plain.seen == 4 and plain.stored == 4
+
+
+def test_reorder_cache_selects_rows():
+    layer, k, _ = filled(batch=3, length=5)
+    layer.keep(torch.tensor([0, 4]).expand(3, 3, 2))
+    layer.row_budget = torch.tensor([2, 2, 2])
+    layer.reorder_cache(torch.tensor([2, 2, 0]))
+    assert torch.equal(layer.keys[0], k[2][:, [0, 4]]) and torch.equal(layer.keys[2], k[0][:, [0, 4]])
+
+
+def test_hybrid_config_keeps_stock_sliding_layers():
+    from transformers import Gemma3TextConfig
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    cfg = Gemma3TextConfig(num_hidden_layers=3, layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+    cache = KVPressCache(cfg)
+    assert [type(layer) for layer in cache.layers] == [DynamicSlidingWindowLayer, KVPressLayer, DynamicSlidingWindowLayer]
