@@ -119,7 +119,9 @@ def select_kept(
         s = s.masked_fill(protected & valid, math.inf)
     s = s.masked_fill(~valid, -math.inf)
     width = int(n_keep.max())
-    indices = s.topk(width, dim=-1, sorted=True).indices
+    # A stable sort, not topk: ties (max-pooling makes plateaus) then always go to the earlier slot, so a
+    # left-padded row picks exactly what the same prompt picks alone.
+    indices = s.sort(dim=-1, descending=True, stable=True).indices[..., :width]
     keep_valid = torch.arange(width, device=s.device) < n_keep[..., None]
     return indices, keep_valid
 
