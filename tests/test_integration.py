@@ -189,3 +189,16 @@ def test_cache_local_positions_match_contiguous_positions_reference():
         cache = KVPressCache(model.config)
         model(ids, past_key_values=cache)
         assert not torch.allclose(model(nxt, past_key_values=cache).logits, ref, atol=1e-4)
+
+
+def test_beam_search_reorders_the_compressed_cache():
+    model = tiny_model("llama")
+    ids = torch.randint(3, 128, (1, 30))
+    kw = dict(max_new_tokens=8, min_new_tokens=8, num_beams=3, do_sample=False, attention_mask=torch.ones_like(ids))
+    ref = model.generate(ids, **kw)
+    with kvpress.patch_model(model, "none"):
+        assert torch.equal(model.generate(ids, **kw), ref)
+    with kvpress.patch_model(model, "h2o", budget=16, recent=4):
+        cache = KVPressCache(model.config)
+        out = model.generate(ids, past_key_values=cache, **kw)
+    assert out.shape == (1, 38) and cache.layers[0].keys.shape[:3] == (3, 2, 16)
