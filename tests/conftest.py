@@ -1,4 +1,10 @@
 import functools
+import os
+
+import torch as _torch
+
+if not _torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton kernels run in interpreter mode on CPU
 
 import pytest
 import torch

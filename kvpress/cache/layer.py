@@ -5,13 +5,17 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from .codecs import QuantizedSegment
+
 
 class KVPressLayer(CacheLayerMixin):
     """Keys/values of one attention layer, stored per KV head (never repeated for GQA).
 
     State:
-      keys, values   [B, Hkv, T, D]   the stored slots, sorted by original position in every head
-      positions      [B, Hkv, T]      original (raw, pre-eviction) index of each slot; None while the layer
+      quantized      the oldest Tq slots in low-bit form (a QuantizedSegment), None without a codec
+      keys, values   [B, Hkv, T - Tq, D]  the other slots in full precision (all of them without a codec);
+                                      slots are sorted by original position in every head
+      positions      [B, Hkv, T]      (these per-slot tensors span both parts) original (raw, pre-eviction) index of each slot; None while the layer
                                       still holds every token it has seen, in order (then it is arange(T))
       valid          [B, Hkv, T]      False for left padding and for filler slots of rows whose budget is
                                       below the batch's widest row; None while every slot is a real token
@@ -28,6 +32,7 @@ class KVPressLayer(CacheLayerMixin):
 
     def __init__(self, **kwargs):
         super().__init__()
+        self.quantized: QuantizedSegment | None = None
         self.positions: torch.Tensor | None = None
         self.valid: torch.Tensor | None = None
         self.slot_state: dict[str, torch.Tensor] = {}
@@ -80,7 +85,7 @@ class KVPressLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.keys = self.values = None
         self.is_initialized = False
-        self.positions = self.valid = self.row_budget = None
+        self.quantized = self.positions = self.valid = self.row_budget = None
         self.slot_state = {}
         self.seen = self.last_q_len = 0
 
@@ -93,15 +98,16 @@ class KVPressLayer(CacheLayerMixin):
         new_seen = self.seen + tokens_to_remove if tokens_to_remove < 0 else tokens_to_remove
         if not 0 <= new_seen <= self.seen:
             raise ValueError(f"crop(tokens_to_remove={tokens_to_remove}) is out of range for {self.seen} seen tokens")
-        if self.positions is None:
-            self._slice(slice(0, new_seen))
-        else:
-            # Slots are sorted by position in every head, so the tail to drop is a suffix, of equal length in
-            # every head only if the rolled-back tokens were all still stored: require that.
-            n_drop = (self.positions >= new_seen).sum(-1)
-            if bool((n_drop != n_drop.flatten()[0]).any()):
-                raise RuntimeError("crop: the rolled-back tokens were partly evicted; only an unevicted tail can be cropped")
-            self._slice(slice(0, self.stored - int(n_drop.flatten()[0])))
+        # Slots are sorted by position in every head, so the tail to drop is a suffix, of equal length in every
+        # head only if the rolled-back tokens were all still stored: require that.
+        n_drop = (self.key_positions() >= new_seen).sum(-1)
+        if bool((n_drop != n_drop.flatten()[0]).any()):
+            raise RuntimeError("crop: the rolled-back tokens were partly evicted; only an unevicted tail can be cropped")
+        keep = self.stored - int(n_drop.flatten()[0])
+        if keep < self.quantized_len:
+            raise RuntimeError("crop: the rolled-back tokens reach into the quantized segment; only the "
+                               "full-precision residual can be rolled back")
+        self._truncate(keep)
         self.seen = new_seen
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -120,7 +126,11 @@ class KVPressLayer(CacheLayerMixin):
     # ------------------------------------------------------------------ kvpress API
     @property
     def stored(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[-2]
+        return self.quantized_len + (0 if self.keys is None else self.keys.shape[-2])
+
+    @property
+    def quantized_len(self) -> int:
+        return 0 if self.quantized is None else self.quantized.num_slots
 
     @property
     def is_compacted(self) -> bool:
@@ -131,15 +141,15 @@ class KVPressLayer(CacheLayerMixin):
         """[B, Hkv, T] original position of every stored slot."""
         if self.positions is not None:
             return self.positions
-        batch, heads, length, _ = self.keys.shape
-        return torch.arange(length, device=self.keys.device).expand(batch, heads, length)
+        batch, heads = self.keys.shape[:2]
+        return torch.arange(self.stored, device=self.keys.device).expand(batch, heads, self.stored)
 
     def key_valid(self) -> torch.Tensor:
         """[B, Hkv, T] which stored slots hold real tokens."""
         if self.valid is not None:
             return self.valid
-        batch, heads, length, _ = self.keys.shape
-        return torch.ones(batch, heads, length, dtype=torch.bool, device=self.keys.device)
+        batch, heads = self.keys.shape[:2]
+        return torch.ones(batch, heads, self.stored, dtype=torch.bool, device=self.keys.device)
 
     def tokens_per_head(self) -> torch.Tensor:
         """[B, Hkv] real tokens kept in each head."""
@@ -154,16 +164,72 @@ class KVPressLayer(CacheLayerMixin):
         indices, order = indices.sort(dim=-1)  # keep slots sorted by position
         if keep_valid is not None:
             keep_valid = keep_valid.gather(-1, order)
+        width_q = 0
+        if self.quantized is not None:
+            indices, keep_valid, width_q = self._keep_segments(indices, keep_valid)
         positions = self.key_positions().to(torch.int32)
         valid = None if self.valid is None else self.valid.gather(-1, indices)
         if keep_valid is not None and not bool(keep_valid.all()):
             valid = keep_valid if valid is None else valid & keep_valid
-        gather_kv = indices[..., None].expand(-1, -1, -1, self.keys.shape[-1])
+        n_q = self.quantized_len
+        if self.quantized is not None:
+            self.quantized = self.quantized.gather(indices[..., :width_q])
+        residual_idx = indices[..., width_q:] - n_q
+        gather_kv = residual_idx[..., None].expand(-1, -1, -1, self.keys.shape[-1])
         self.keys = self.keys.gather(2, gather_kv)
         self.values = self.values.gather(2, gather_kv)
         self.positions = positions.gather(-1, indices)
         self.valid = valid
         self.slot_state = {name: s.gather(-1, indices) for name, s in self.slot_state.items()}
+
+    def _keep_segments(self, indices, keep_valid):
+        """Kept slots of each row/head split into quantized and full-precision parts; rows/heads that keep
+        fewer in a part get invalid filler slots there, so both parts stay rectangular and aligned."""
+        n_q = self.quantized_len
+        width = indices.shape[-1]
+        in_q = (indices < n_q).sum(-1)  # [B, H]; sorted, so quantized slots come first
+        width_q, width_r = int(in_q.max()), int((width - in_q).max())
+        rank_q = torch.arange(width_q, device=indices.device)
+        rank_r = torch.arange(width_r, device=indices.device)
+        q_idx = indices.gather(-1, rank_q.expand(*indices.shape[:2], width_q).clamp(max=width - 1))
+        q_ok = rank_q < in_q[..., None]
+        r_pos = (in_q[..., None] + rank_r).clamp(max=width - 1)
+        r_idx = indices.gather(-1, r_pos)
+        r_ok = rank_r < (width - in_q)[..., None]
+        valid = torch.ones_like(indices, dtype=torch.bool) if keep_valid is None else keep_valid
+        new_valid = torch.cat([q_ok & valid.gather(-1, rank_q.expand_as(q_idx).clamp(max=width - 1)),
+                               r_ok & valid.gather(-1, r_pos)], -1)
+        new_idx = torch.cat([torch.where(q_ok, q_idx, 0), torch.where(r_ok, r_idx, n_q)], -1)
+        return new_idx, new_valid, width_q
+
+    def quantize_oldest(self, n: int, encode) -> None:
+        """Move the oldest `n` full-precision slots into the quantized segment via `encode(k, v, valid)`."""
+        if n <= 0:
+            return
+        start = self.quantized_len
+        segment = encode(self.keys[:, :, :n], self.values[:, :, :n], self.key_valid()[..., start:start + n])
+        self.quantized = segment if self.quantized is None else self.quantized.append(segment)
+        self.keys = self.keys[:, :, n:].clone()
+        self.values = self.values[:, :, n:].clone()
+
+    def key_logits(self, query: torch.Tensor, scaling: float, softcap: float | None = None,
+                   upto: int | None = None, block: int = 4096) -> torch.Tensor:
+        """fp32 logits [B, Hkv, g, r, T'] of query rows [B, Hq, r, D] against the first `upto` slots (all by
+        default), grouping query heads under their KV head; the quantized part is read block by block."""
+        batch, hq, rows, dim = query.shape
+        hkv = self.keys.shape[1]
+        upto = self.stored if upto is None else upto
+        q = query.reshape(batch, hkv, hq // hkv, rows, dim).float()
+        parts = []
+        for start in range(0, min(upto, self.quantized_len), block):
+            keys = self.quantized.dequantize_keys(start, min(start + block, upto, self.quantized_len))
+            parts.append(torch.einsum("bhgrd,bhtd->bhgrt", q, keys))
+        if upto > self.quantized_len:
+            parts.append(torch.einsum("bhgrd,bhtd->bhgrt", q, self.keys[:, :, : upto - self.quantized_len].float()))
+        logits = torch.cat(parts, -1) * scaling
+        if softcap is not None:
+            logits = torch.tanh(logits / softcap) * softcap
+        return logits
 
     def nbytes(self) -> int:
         """Bytes held by this layer's storage tensors (keys, values, positions, validity, policy state)."""
@@ -173,27 +239,33 @@ class KVPressLayer(CacheLayerMixin):
         """Bytes held by keys and values alone."""
         if not self.is_initialized:
             return 0
-        return sum(t.numel() * t.element_size() for t in (self.keys, self.values))
+        quantized = 0 if self.quantized is None else self.quantized.nbytes()
+        return quantized + sum(t.numel() * t.element_size() for t in (self.keys, self.values))
 
     # ------------------------------------------------------------------ internals
     def _tensors(self):
         if not self.is_initialized:
             return []
         extra = [t for t in (self.positions, self.valid) if t is not None]
-        return [self.keys, self.values, *extra, *self.slot_state.values()]
+        quantized = [] if self.quantized is None else self.quantized.tensors()
+        return [self.keys, self.values, *quantized, *extra, *self.slot_state.values()]
 
-    def _slice(self, sl: slice) -> None:
-        # clone: a view would keep the whole old buffer alive and nbytes() would under-report it
-        self.keys = self.keys[:, :, sl].clone()
-        self.values = self.values[:, :, sl].clone()
+    def _truncate(self, n: int) -> None:
+        """Keep the first n slots (all quantized ones among them). clone: a view would keep the whole old
+        buffer alive and nbytes() would under-report it."""
+        r = n - self.quantized_len
+        self.keys = self.keys[:, :, :r].clone()
+        self.values = self.values[:, :, :r].clone()
         if self.positions is not None:
-            self.positions = self.positions[..., sl].clone()
+            self.positions = self.positions[..., :n].clone()
         if self.valid is not None:
-            self.valid = self.valid[..., sl].clone()
-        self.slot_state = {name: s[..., sl].clone() for name, s in self.slot_state.items()}
+            self.valid = self.valid[..., :n].clone()
+        self.slot_state = {name: s[..., :n].clone() for name, s in self.slot_state.items()}
 
     def _map_tensors(self, fn, include_rows: bool = False) -> None:
         self.keys, self.values = fn(self.keys), fn(self.values)
+        if self.quantized is not None:
+            self.quantized = self.quantized.map_rows(fn)
         if self.positions is not None:
             self.positions = fn(self.positions)
         if self.valid is not None:

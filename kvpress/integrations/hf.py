@@ -20,6 +20,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..cache import KVPressCache, KVPressLayer
 from ..kernels import allowed_mask
+from ..kernels.quant_attention import quantized_attention
 from ..policies import Context, Policy, resolve_policy
 
 SUPPORTED_BASES = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")
@@ -59,7 +60,12 @@ def kvpress_attention(module, query, key, value, attention_mask, **kwargs):
         rotary_inv_freq=binding.inv_freq,
     )
     keys = patch.policy.key_view(ctx)
-    if layer.is_compacted:
+    if layer.quantized is not None:
+        # Older slots are low-bit: read the packed codes block by block, never a full-precision copy.
+        out = quantized_attention(query, layer.quantized, layer.keys, layer.values, layer.key_positions(),
+                                  layer.valid, ctx.query_positions(), ctx.scaling, ctx.sliding_window, ctx.softcap)
+        out = (out.transpose(1, 2).contiguous(), None)
+    elif layer.is_compacted:
         # Slot j no longer sits at position j: the HF mask does not describe this layer; build ours.
         out = patch.attention_with_mask(module, query, keys, value, ctx, **kwargs)
     else:
@@ -247,6 +253,7 @@ def patch_model(model, policy: str | Policy | None = "none", **params) -> Patch:
         raise ValueError("model is already patched by kvpress; call .unpatch() on the existing patch first")
     if base not in SUPPORTED_BASES:
         raise ValueError(f"attn_implementation={base!r} cannot be wrapped; allowed values: {list(SUPPORTED_BASES)}")
+    policy.check_model(modules[0].head_dim)
     needs_rotary = getattr(policy, "cache_local_positions", False)
     inv_freqs = [_rotary_inv_freq(model, m) if needs_rotary else None for m in modules]
     return Patch(model, policy, base, modules, inv_freqs)

@@ -31,69 +31,59 @@ def allowed_mask(
     return allowed | (k == q)
 
 
-def _grouped_logits(query, keys, scaling, softcap):
-    """query [B, Hq, r, D], keys [B, Hkv, T, D] -> fp32 logits [B, Hkv, g, r, T]."""
-    batch, hq, rows, dim = query.shape
-    hkv = keys.shape[1]
-    q = query.reshape(batch, hkv, hq // hkv, rows, dim).float()
-    logits = torch.einsum("bhgrd,bhtd->bhgrt", q, keys.float()) * scaling
-    if softcap is not None:
-        logits = torch.tanh(logits / softcap) * softcap
-    return logits
+def masked_softmax_(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """In-place softmax of fp32 logits [B, Hkv, g, r, T] over allowed slots [B, Hkv, r, T] (these blocks are
+    the largest temporaries a policy creates)."""
+    logits.masked_fill_(~allowed[:, :, None], float("-inf"))
+    logits.sub_(logits.amax(-1, keepdim=True)).exp_()
+    return logits.div_(logits.sum(-1, keepdim=True))
 
 
 def attention_probs(
+    key_logits,
     query: torch.Tensor,
-    keys: torch.Tensor,
-    scaling: float,
     query_positions: torch.Tensor,
     key_positions: torch.Tensor,
     key_valid: torch.Tensor | None,
-    softcap: float | None = None,
     sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """Softmax attention [B, Hq, r, T] (fp32) of `query` rows over stored `keys`."""
+    """Softmax attention [B, Hq, r, T] (fp32) of `query` rows [B, Hq, r, D] over the stored slots.
+    `key_logits(query, upto)` returns fp32 logits [B, Hkv, g, r, upto] (scaled, soft-capped)."""
     batch, hq, rows, _ = query.shape
-    logits = _grouped_logits(query, keys, scaling, softcap)
+    logits = key_logits(query, key_positions.shape[-1])
     allowed = allowed_mask(query_positions, key_positions, key_valid, sliding_window)
-    # softmax in place: these blocks are the largest temporaries a policy creates
-    logits.masked_fill_(~allowed[:, :, None], float("-inf"))
-    logits.sub_(logits.amax(-1, keepdim=True)).exp_()
-    logits.div_(logits.sum(-1, keepdim=True))
-    return logits.reshape(batch, hq, rows, -1)
+    return masked_softmax_(logits, allowed).reshape(batch, hq, rows, -1)
 
 
 def attention_column_sums(
+    key_logits,
     query: torch.Tensor,
-    keys: torch.Tensor,
-    scaling: float,
     query_positions: torch.Tensor,
     key_positions: torch.Tensor,
     key_valid: torch.Tensor | None,
-    softcap: float | None = None,
     sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Attention each slot receives, summed over the real query rows: [B, Hq, T] (fp32), computed in
     query-row chunks so memory is O(chunk x T) rather than O(q x T)."""
     batch, hq, rows, _ = query.shape
-    length = keys.shape[2]
+    length = key_positions.shape[-1]
     chunk = max(1, min(rows, _BLOCK_ELEMENTS // max(1, batch * hq * length)))
     # Padding query rows attend only to themselves (see allowed_mask); they must not vote.
     if key_valid is None:
         query_real = None
     else:
-        by_pos = torch.zeros(batch, int(key_positions.max()) + 1, dtype=torch.bool, device=keys.device)
-        by_pos.scatter_(1, key_positions[:, 0].long(), key_valid[:, 0])
+        by_pos = torch.zeros(batch, int(key_positions.max()) + 1, dtype=torch.bool, device=key_positions.device)
+        by_pos.scatter_(1, key_positions[:, 0].long().clamp(min=0), key_valid[:, 0])
         query_real = by_pos[:, query_positions]  # [B, rows]
-    total = torch.zeros(batch, hq, length, dtype=torch.float32, device=keys.device)
+    total = torch.zeros(batch, hq, length, dtype=torch.float32, device=key_positions.device)
     for start in range(0, rows, chunk):
         sl = slice(start, min(rows, start + chunk))
         # Slots are sorted by position in every head, so those a chunk can reach (position <= its last query)
         # form a prefix: skip the causally masked rest (about half the work over a prompt).
         reach = int((key_positions <= query_positions[sl][-1]).sum(-1).max())
         probs = attention_probs(
-            query[:, :, sl], keys[:, :, :reach], scaling, query_positions[sl], key_positions[..., :reach],
-            None if key_valid is None else key_valid[..., :reach], softcap, sliding_window,
+            key_logits, query[:, :, sl], query_positions[sl], key_positions[..., :reach],
+            None if key_valid is None else key_valid[..., :reach], sliding_window,
         )
         if query_real is not None:
             probs = probs * query_real[:, None, sl, None]

@@ -9,9 +9,13 @@ from .tova import TOVA
 from .snapkv import SnapKV
 from .h2o import H2O
 from .streaming_llm import StreamingLLM
+from .kivi import KIVI
+from .gear import GEAR
+from .compose import Composed
 
 __all__ = [
     "Policy", "BudgetPolicy", "ScorerPolicy", "Context", "select_kept",
     "register", "list_policies", "get_policy_class", "resolve_policy",
     "NoCompression", "Knorm", "RandomPolicy", "TOVA", "SnapKV", "H2O", "StreamingLLM",
+    "KIVI", "GEAR", "Composed",
 ]

@@ -63,24 +63,22 @@ class Context:
         last = self.q_len if last is None else last
         return torch.arange(self.layer.seen - last, self.layer.seen, device=self.keys.device)
 
+    def key_logits(self, query: torch.Tensor, upto: int | None = None) -> torch.Tensor:
+        """fp32 logits [B, Hkv, g, r, upto] of query rows against the stored slots (dense or quantized)."""
+        return self.layer.key_logits(query, self.scaling, self.softcap, upto)
+
     def attention_probs(self, last: int | None = None) -> torch.Tensor:
         """Softmax attention [B, Hq, r, T] (fp32) of the last `last` query rows over the stored slots, with the
         same causal / padding / sliding-window masking the model's attention used."""
         last = self.q_len if last is None else last
-        return attention_probs(
-            self.query[:, :, -last:], self.keys, self.scaling,
-            self.query_positions(last), self.layer.key_positions(), self.layer.valid,
-            softcap=self.softcap, sliding_window=self.sliding_window,
-        )
+        return attention_probs(self.key_logits, self.query[:, :, -last:], self.query_positions(last),
+                               self.layer.key_positions(), self.layer.valid, self.sliding_window)
 
     def attention_column_sums(self) -> torch.Tensor:
         """Attention received by each slot, summed over all query rows of this forward: [B, Hq, T] (fp32).
         Computed in query chunks, so a long prompt never materialises its full attention matrix."""
-        return attention_column_sums(
-            self.query, self.keys, self.scaling,
-            self.query_positions(), self.layer.key_positions(), self.layer.valid,
-            softcap=self.softcap, sliding_window=self.sliding_window,
-        )
+        return attention_column_sums(self.key_logits, self.query, self.query_positions(),
+                                     self.layer.key_positions(), self.layer.valid, self.sliding_window)
 
     def to_kv_heads(self, per_query_head: torch.Tensor, reduce: str = "mean") -> torch.Tensor:
         """[B, Hq, ...] -> [B, Hkv, ...] by reducing each GQA group (design invariant 6)."""
@@ -133,9 +131,13 @@ class Policy:
 
     name: ClassVar[str] = "none"
     needs_budget: ClassVar[bool] = False
+    is_codec: ClassVar[bool] = False  # a storage codec (KIVI, GEAR) rather than an eviction policy
 
     def validate(self) -> None:
         """Raise ValueError naming the parameter and its allowed values; called before any patching."""
+
+    def check_model(self, head_dim: int) -> None:
+        """Raise ValueError if the policy cannot serve a model with this head_dim; called before patching."""
 
     def __post_init__(self):
         self.validate()

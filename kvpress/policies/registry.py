@@ -24,10 +24,16 @@ def get_policy_class(name: str) -> type[Policy]:
     return _REGISTRY[name]
 
 
-def resolve_policy(policy: str | Policy | None, **params) -> Policy:
-    """A Policy instance from a name (+ hyper-parameters) or an instance (+ overrides)."""
+def resolve_policy(policy, **params) -> Policy:
+    """A Policy from a name (+ hyper-parameters), an instance (+ overrides), or a composition: "snapkv+kivi"
+    or [SnapKV(...), KIVI(...)] (one eviction policy and at most one codec; each parameter goes to the part
+    that declares it)."""
     if policy is None:
         policy = "none"
+    if isinstance(policy, str) and "+" in policy:
+        policy = [part.strip() for part in policy.split("+")]
+    if isinstance(policy, (list, tuple)):
+        return _compose(policy, params)
     if isinstance(policy, str):
         cls = get_policy_class(policy)
         _check_params(cls, params)
@@ -39,6 +45,37 @@ def resolve_policy(policy: str | Policy | None, **params) -> Policy:
         policy.validate()
         return policy
     raise ValueError(f"policy={policy!r}; allowed values: a name in {list_policies()} or a kvpress Policy instance")
+
+
+def _compose(parts, params: dict) -> Policy:
+    from .compose import Composed
+
+    if not parts:
+        raise ValueError("policy=[]; allowed values: a name, a Policy, or a list of one eviction policy and one codec")
+    classes = [get_policy_class(p) if isinstance(p, str) else type(p) for p in parts]
+    for p in parts:
+        if not isinstance(p, (str, Policy)):
+            raise ValueError(f"policy part {p!r}; allowed values: a name in {list_policies()} or a Policy instance")
+    allowed = {name for cls in classes for name in (f.name for f in dataclasses.fields(cls))}
+    unknown = sorted(set(params) - allowed)
+    if unknown:
+        raise ValueError(f"{'+'.join(c.name for c in classes)}: unknown parameter(s) {unknown}; "
+                         f"allowed parameters: {sorted(allowed)}")
+    built = []
+    for part, cls in zip(parts, classes):
+        own = {k: v for k, v in params.items() if k in {f.name for f in dataclasses.fields(cls)}}
+        built.append(resolve_policy(part, **own))
+    codecs = [p for p in built if p.is_codec]
+    evictors = [p for p in built if not p.is_codec]
+    if len(codecs) > 1:
+        raise ValueError(f"policy: {[c.name for c in codecs]} are two storage codecs; allowed: at most one codec "
+                         f"({[n for n in list_policies() if get_policy_class(n).is_codec]})")
+    if len(evictors) > 1:
+        raise ValueError(f"policy: {[e.name for e in evictors]} are two eviction policies; allowed: one eviction "
+                         f"policy plus at most one codec")
+    if not codecs:
+        return evictors[0]
+    return Composed(evictor=evictors[0] if evictors else get_policy_class("none")(), codec=codecs[0])
 
 
 def _check_params(cls: type[Policy], params: dict) -> None:

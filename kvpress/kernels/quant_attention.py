@@ -1,0 +1,75 @@
+"""Attention over a layer whose older slots are low-bit (KIVI / GEAR) and newer slots full precision.
+
+`quantized_attention` dispatches: the Triton kernel on CUDA for KIVI segments, the torch reference otherwise.
+Both read the packed codes block by block with an online softmax (flash-decoding style): no full-precision
+copy of the cache is ever made. Any q_len works (decode, verification, chunked prefill).
+Output: [B, Hq, q_len, D] in the query's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..cache.codecs import QuantizedSegment
+from .scores import allowed_mask
+
+
+def _block_update(state, q, keys, values, scaling, softcap, allowed):
+    """Online-softmax step. q [B,Hkv,g,r,D] fp32; keys/values [B,Hkv,n,D] fp32; allowed [B,Hkv,r,n]."""
+    m, l, acc = state
+    logits = torch.einsum("bhgrd,bhnd->bhgrn", q, keys) * scaling
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    logits = logits.masked_fill(~allowed[:, :, None], float("-inf"))
+    m_new = torch.maximum(m, logits.amax(-1))
+    safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
+    p = torch.exp(logits - safe[..., None])
+    correction = torch.exp(m - safe)
+    l = l * correction + p.sum(-1)
+    acc = acc * correction[..., None] + torch.einsum("bhgrn,bhnd->bhgrd", p, values)
+    return m_new, l, acc
+
+
+def quantized_attention_reference(
+    query: torch.Tensor,
+    segment: QuantizedSegment,
+    residual_keys: torch.Tensor,
+    residual_values: torch.Tensor,
+    key_positions: torch.Tensor,
+    key_valid: torch.Tensor | None,
+    query_positions: torch.Tensor,
+    scaling: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    block: int = 1024,
+) -> torch.Tensor:
+    """Torch reference: dequantizes one block of `block` slots at a time."""
+    batch, hq, rows, dim = query.shape
+    hkv = residual_keys.shape[1]
+    q = query.reshape(batch, hkv, hq // hkv, rows, dim).float()
+    m = torch.full(q.shape[:-1], float("-inf"), device=query.device)
+    state = (m, torch.zeros_like(m), torch.zeros_like(q))
+    allowed = allowed_mask(query_positions, key_positions, key_valid, sliding_window)  # [B,Hkv,r,T]
+    n_q = segment.num_slots
+    for start in range(0, n_q, block):
+        end = min(n_q, start + block)
+        keys, values = segment.dequantize(start, end)
+        state = _block_update(state, q, keys, values, scaling, softcap, allowed[..., start:end])
+    if residual_keys.shape[2]:
+        state = _block_update(state, q, residual_keys.float(), residual_values.float(), scaling, softcap,
+                              allowed[..., n_q:])
+    _, l, acc = state
+    return (acc / l[..., None]).reshape(batch, hq, rows, dim).to(query.dtype)
+
+
+def quantized_attention(query, segment, residual_keys, residual_values, key_positions, key_valid,
+                        query_positions, scaling, sliding_window=None, softcap=None):
+    """Dispatch: Triton on CUDA for plain KIVI segments (no GEAR terms, no soft-capping), else the reference."""
+    from . import triton_quant
+
+    if (query.is_cuda and triton_quant.available() and segment.k_out_idx is None and softcap is None):
+        return triton_quant.quantized_attention_triton(
+            query, segment, residual_keys, residual_values, key_positions, key_valid, query_positions, scaling,
+            sliding_window)
+    return quantized_attention_reference(query, segment, residual_keys, residual_values, key_positions, key_valid,
+                                         query_positions, scaling, sliding_window, softcap)

@@ -1,0 +1,160 @@
+"""Triton kernel: attention over KIVI-packed keys/values, reading the codes directly.
+
+Split-K (flash-decoding): program (b*h, s) covers a range of quantized slots in blocks of BLOCK_T. Each block
+unpacks the uint8 codes in registers, applies the per-group scale/min, and feeds tl.dot; an online softmax
+accumulates. The per-split partials (max, sum, acc) are merged in torch together with the full-precision
+residual. All query heads of a GQA group (x q_len rows) share one program, so each code is read once.
+On CPU the same kernel runs under TRITON_INTERPRET=1 (tests); `quantized_attention` uses it on CUDA.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # triton is an optional extra
+    triton = None
+
+
+def available() -> bool:
+    return triton is not None and (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
+
+
+if triton is not None:
+
+    @triton.jit
+    def _quant_attn_kernel(
+        q_ptr, kc_ptr, ks_ptr, km_ptr, kg_ptr, vc_ptr, vs_ptr, vm_ptr, pos_ptr, valid_ptr, qpos_ptr,
+        m_out, l_out, acc_out,
+        T_Q, T_ALL, N_GROUPS, SPLIT_LEN, N_SPLITS, scaling, window,
+        M: tl.constexpr, M_PAD: tl.constexpr, R: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr,
+        G: tl.constexpr, BLOCK_T: tl.constexpr, HAS_GROUP: tl.constexpr, HAS_VALID: tl.constexpr,
+        HAS_WINDOW: tl.constexpr,
+    ):
+        bh = tl.program_id(0)
+        split = tl.program_id(1)
+        PER: tl.constexpr = 8 // BITS
+        DB: tl.constexpr = D // PER
+        NGV: tl.constexpr = D // G
+        MASK: tl.constexpr = (1 << BITS) - 1
+
+        rows = tl.arange(0, M_PAD)
+        dims = tl.arange(0, D)
+        row_ok = rows < M
+        q = tl.load(q_ptr + bh * M * D + rows[:, None] * D + dims[None, :], mask=row_ok[:, None], other=0.0)
+        qpos = tl.load(qpos_ptr + rows % R, mask=row_ok, other=0)
+
+        m_i = tl.full([M_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([M_PAD], tl.float32)
+        acc = tl.zeros([M_PAD, D], tl.float32)
+        byte_of = dims // PER
+        shift = ((dims % PER) * BITS).to(tl.uint8)
+
+        start = split * SPLIT_LEN
+        end = tl.minimum(start + SPLIT_LEN, T_Q)
+        for t0 in range(start, end, BLOCK_T):
+            t = t0 + tl.arange(0, BLOCK_T)
+            t_ok = t < end
+            # keys: unpack codes, per-channel scale/min of each slot's group
+            kbytes = tl.load(kc_ptr + bh * T_Q * DB + t[:, None] * DB + byte_of[None, :], mask=t_ok[:, None], other=0)
+            kcode = ((kbytes >> shift[None, :]) & MASK).to(tl.float32)
+            if HAS_GROUP:
+                gid = tl.load(kg_ptr + bh * T_Q + t, mask=t_ok, other=0)
+            else:
+                gid = t // G
+            goff = bh * N_GROUPS * D + gid[:, None] * D + dims[None, :]
+            kscale = tl.load(ks_ptr + goff, mask=t_ok[:, None], other=0.0).to(tl.float32)
+            kmin = tl.load(km_ptr + goff, mask=t_ok[:, None], other=0.0).to(tl.float32)
+            k = (kcode * kscale + kmin).to(q.dtype)
+            logits = tl.dot(q, tl.trans(k)) * scaling  # [M_PAD, BLOCK_T]
+
+            pos = tl.load(pos_ptr + bh * T_ALL + t, mask=t_ok, other=0)
+            allowed = (pos[None, :] <= qpos[:, None]) & t_ok[None, :]
+            if HAS_VALID:
+                ok = tl.load(valid_ptr + bh * T_ALL + t, mask=t_ok, other=0)
+                allowed = allowed & (ok[None, :] != 0)
+            if HAS_WINDOW:
+                allowed = allowed & (pos[None, :] > qpos[:, None] - window)
+            allowed = allowed | ((pos[None, :] == qpos[:, None]) & t_ok[None, :])
+            logits = tl.where(allowed, logits, float("-inf"))
+
+            m_new = tl.maximum(m_i, tl.max(logits, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(logits - m_safe[:, None])
+            corr = tl.exp(m_i - m_safe)
+            l_i = l_i * corr + tl.sum(p, 1)
+
+            # values: unpack codes, per-slot scale/min of each channel group
+            vbytes = tl.load(vc_ptr + bh * T_Q * DB + t[:, None] * DB + byte_of[None, :], mask=t_ok[:, None], other=0)
+            vcode = ((vbytes >> shift[None, :]) & MASK).to(tl.float32)
+            voff = bh * T_Q * NGV + t[:, None] * NGV + (dims // G)[None, :]
+            vscale = tl.load(vs_ptr + voff, mask=t_ok[:, None], other=0.0).to(tl.float32)
+            vmin = tl.load(vm_ptr + voff, mask=t_ok[:, None], other=0.0).to(tl.float32)
+            v = (vcode * vscale + vmin).to(q.dtype)
+            acc = acc * corr[:, None] + tl.dot(p.to(q.dtype), v)
+            m_i = m_new
+
+        out = (bh * N_SPLITS + split) * M_PAD
+        tl.store(m_out + out + rows, m_i)
+        tl.store(l_out + out + rows, l_i)
+        tl.store(acc_out + (out + rows[:, None]) * D + dims[None, :], acc)
+
+
+def quantized_attention_triton(query, segment, residual_keys, residual_values, key_positions, key_valid,
+                               query_positions, scaling, sliding_window=None, softcap=None,
+                               block_t: int = 64, target_programs: int = 512):
+    """Same signature and result as `quantized_attention_reference`."""
+    from .quant_attention import _block_update
+
+    if softcap is not None:
+        raise ValueError("softcap is not supported by the Triton low-bit kernel; use the reference")
+    batch, hq, rows, dim = query.shape
+    hkv = residual_keys.shape[1]
+    g = hq // hkv
+    m_rows = g * rows
+    m_pad = max(16, triton.next_power_of_2(m_rows))
+    n_q = segment.num_slots
+    t_all = key_positions.shape[-1]
+    q = query.reshape(batch * hkv, m_rows, dim).contiguous()
+    splits = max(1, min(triton.cdiv(n_q, block_t), triton.cdiv(target_programs, batch * hkv)))
+    split_len = triton.cdiv(triton.cdiv(n_q, splits), block_t) * block_t
+    splits = triton.cdiv(n_q, split_len)
+    dev = query.device
+    m_part = torch.empty(batch * hkv, splits, m_pad, device=dev, dtype=torch.float32)
+    l_part = torch.empty_like(m_part)
+    acc_part = torch.empty(batch * hkv, splits, m_pad, dim, device=dev, dtype=torch.float32)
+    positions = key_positions.to(torch.int32).contiguous()
+    valid = positions if key_valid is None else key_valid.to(torch.int8).contiguous()
+    groups = segment.k_group
+    _quant_attn_kernel[(batch * hkv, splits)](
+        q, segment.k_codes.contiguous(), segment.k_scale.contiguous(), segment.k_min.contiguous(),
+        positions if groups is None else groups.to(torch.int32).contiguous(),
+        segment.v_codes.contiguous(), segment.v_scale.contiguous(), segment.v_min.contiguous(),
+        positions, valid, query_positions.to(torch.int32).contiguous(),
+        m_part, l_part, acc_part,
+        n_q, t_all, segment.k_scale.shape[2], split_len, splits, float(scaling),
+        int(sliding_window or 0),
+        M=m_rows, M_PAD=m_pad, R=rows, D=dim, BITS=segment.bits, G=segment.group_size, BLOCK_T=block_t,
+        HAS_GROUP=groups is not None, HAS_VALID=key_valid is not None, HAS_WINDOW=sliding_window is not None,
+    )
+    # merge the splits, then the full-precision residual, in fp32
+    m = m_part.amax(1)
+    safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    w = torch.exp(m_part - safe[:, None])
+    l = (l_part * w).sum(1)
+    acc = (acc_part * w[..., None]).sum(1)
+    shape = (batch, hkv, g, rows)
+    state = (m[:, :m_rows].reshape(shape), l[:, :m_rows].reshape(shape), acc[:, :m_rows].reshape(*shape, dim))
+    if residual_keys.shape[2]:
+        from .scores import allowed_mask
+
+        allowed = allowed_mask(query_positions, key_positions[..., n_q:],
+                               None if key_valid is None else key_valid[..., n_q:], sliding_window)
+        qf = query.reshape(batch, hkv, g, rows, dim).float()
+        state = _block_update(state, qf, residual_keys.float(), residual_values.float(), scaling, None, allowed)
+    _, l, acc = state
+    return (acc / l[..., None]).reshape(batch, hq, rows, dim).to(query.dtype)

@@ -1,0 +1,38 @@
+from dataclasses import dataclass
+
+from ..cache.codecs import encode_gear
+from .kivi import KIVI
+from .registry import register
+
+
+@register
+@dataclass
+class GEAR(KIVI):
+    """GEAR (Kang et al. 2024) storage: KIVI-style quantization of X - S, where S keeps the `outlier_ratio`
+    largest-magnitude entries of each token row exactly (half largest, half smallest), plus a rank-`rank`
+    approximation (power iteration, `power_iters` steps, fp32) of the remaining error, computed per group
+    of slots as it is quantized. Reconstruction: deq(Q) + low-rank, outliers restored exactly.
+    Outliers are picked per token row for keys too (the reference picks key outliers per channel), so they
+    move with their token when an eviction policy drops slots. Defaults from the GEAR scripts: 2-bit,
+    group 64, 2% outliers, 3 power iterations; rank 2 (their decode rank; prefill uses 4 there)."""
+
+    name = "gear"
+    bits: int = 2
+    group_size: int = 64
+    residual_length: int = 64
+    rank: int = 2
+    outlier_ratio: float = 0.02
+    power_iters: int = 3
+
+    def validate(self) -> None:
+        super().validate()
+        if not isinstance(self.rank, int) or self.rank < 1:
+            raise ValueError(f"gear: rank={self.rank!r}; allowed values: an int >= 1")
+        if not 0.0 <= self.outlier_ratio < 0.5:
+            raise ValueError(f"gear: outlier_ratio={self.outlier_ratio!r}; allowed values: a float in [0, 0.5)")
+        if not isinstance(self.power_iters, int) or self.power_iters < 1:
+            raise ValueError(f"gear: power_iters={self.power_iters!r}; allowed values: an int >= 1")
+
+    def encode(self, keys, values, valid):
+        return encode_gear(keys, values, valid, self.bits, self.group_size, self.rank, self.outlier_ratio,
+                           self.power_iters)

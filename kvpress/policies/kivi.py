@@ -1,0 +1,58 @@
+from dataclasses import dataclass
+from typing import ClassVar
+
+from ..cache.codecs import encode_kivi
+from .base import Context, Policy
+from .registry import register
+
+
+@register
+@dataclass
+class KIVI(Policy):
+    """KIVI (Liu et al. 2024) storage: asymmetric `bits`-bit codes, keys per channel over groups of
+    `group_size` slots, values per token over groups of `group_size` channels, fp16 scale/min per group.
+    The newest `residual_length` tokens (at least) stay in full precision; once `group_size` more have
+    accumulated, the oldest group is quantized. Prefill attention is exact; quantization happens after it.
+    Composes with an eviction policy: "snapkv+kivi" evicts first, then stores the kept tokens low-bit.
+    (KIVI flushes keys in residual-sized blocks and slides values one token at a time; here keys and values
+    share one boundary and flush a group at a time, so both keep >= residual_length recent tokens exact.)"""
+
+    name = "kivi"
+    is_codec: ClassVar[bool] = True
+    allowed_bits: ClassVar[tuple] = (2, 4, 8)
+    bits: int = 2
+    group_size: int = 32
+    residual_length: int = 128
+
+    def validate(self) -> None:
+        if self.bits not in self.allowed_bits:
+            raise ValueError(f"{self.name}: bits={self.bits!r}; allowed values: {list(self.allowed_bits)}")
+        if not isinstance(self.group_size, int) or self.group_size < 1:
+            raise ValueError(f"{self.name}: group_size={self.group_size!r}; allowed values: an int >= 1")
+        if not isinstance(self.residual_length, int) or self.residual_length < 0:
+            raise ValueError(f"{self.name}: residual_length={self.residual_length!r}; allowed values: an int >= 0")
+
+    def check_model(self, head_dim: int) -> None:
+        if head_dim % self.group_size or (head_dim * self.bits) % 8:
+            divisors = [g for g in (8, 16, 32, 64, 128) if head_dim % g == 0]
+            raise ValueError(
+                f"{self.name}: group_size={self.group_size} does not divide the model's head_dim={head_dim} "
+                f"(values are quantized in groups of channels); allowed values: {divisors}"
+            )
+
+    def encode(self, keys, values, valid):
+        return encode_kivi(keys, values, valid, self.bits, self.group_size)
+
+    def flush(self, ctx: Context) -> None:
+        layer = ctx.layer
+        excess = layer.stored - layer.quantized_len - self.residual_length
+        layer.quantize_oldest((excess // self.group_size) * self.group_size, self.encode)
+
+    def on_prefill(self, ctx: Context) -> None:
+        self.flush(ctx)
+
+    def on_decode(self, ctx: Context) -> None:
+        self.flush(ctx)
+
+    def on_extend(self, ctx: Context) -> None:
+        self.flush(ctx)  # only tokens older than the residual window are ever quantized

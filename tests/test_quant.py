@@ -1,0 +1,261 @@
+"""Low-bit storage (KIVI, GEAR): packing, codec error bounds, kernels vs dense attention, bytes, composition."""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import kvpress
+from kvpress import KVPressCache, KVPressLayer
+from kvpress.cache.codecs import encode_gear, encode_kivi, pack, unpack
+from kvpress.kernels import allowed_mask
+from kvpress.kernels.quant_attention import quantized_attention_reference
+from kvpress.kernels.triton_quant import available as triton_available
+from kvpress.kernels.triton_quant import quantized_attention_triton
+from kvpress.policies import H2O, KIVI
+
+from conftest import greedy, tiny_model
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_pack_unpack_is_exact(bits):
+    codes = torch.randint(0, 2 ** bits, (3, 5, 64), dtype=torch.uint8)
+    packed = pack(codes, bits)
+    assert packed.dtype == torch.uint8 and packed.shape[-1] == 64 * bits // 8  # really packed
+    assert torch.equal(unpack(packed, bits), codes)
+
+
+def manual_dequant(seg, k_shape):
+    """Independent dequantization: unpack bits by hand, apply per-group scale/min by loops over groups."""
+    B, H, T, D = k_shape
+    per = 8 // seg.bits
+
+    def codes(packed):
+        out = torch.zeros(B, H, T, D)
+        for c in range(D):
+            out[..., c] = ((packed[..., c // per].int() >> ((c % per) * seg.bits)) & (2 ** seg.bits - 1)).float()
+        return out
+
+    kc, vc = codes(seg.k_codes), codes(seg.v_codes)
+    k, v = torch.zeros(B, H, T, D), torch.zeros(B, H, T, D)
+    G = seg.group_size
+    for t in range(T):
+        k[:, :, t] = kc[:, :, t] * seg.k_scale[:, :, t // G].float() + seg.k_min[:, :, t // G].float()
+        for grp in range(D // G):
+            sl = slice(grp * G, (grp + 1) * G)
+            v[:, :, t, sl] = vc[:, :, t, sl] * seg.v_scale[:, :, t, grp, None].float() + seg.v_min[:, :, t, grp, None].float()
+    return k, v
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_kivi_round_trip_error_is_within_half_a_step(bits):
+    torch.manual_seed(0)
+    B, H, T, D, G = 2, 2, 64, 32, 16
+    k, v = torch.randn(B, H, T, D) * 3, torch.randn(B, H, T, D)
+    k[..., 5] += 20  # an outlier channel: per-channel key groups absorb it
+    seg = encode_kivi(k, v, torch.ones(B, H, T, dtype=torch.bool), bits, G)
+    kd, vd = manual_dequant(seg, k.shape)
+    torch.testing.assert_close(seg.dequantize(0, T)[0], kd)  # library dequant == independent dequant
+    torch.testing.assert_close(seg.dequantize(0, T)[1], vd)
+    levels = 2 ** bits - 1
+    k_step = (k.reshape(B, H, T // G, G, D).amax(3) - k.reshape(B, H, T // G, G, D).amin(3)) / levels
+    v_step = (v.reshape(B, H, T, D // G, G).amax(4) - v.reshape(B, H, T, D // G, G).amin(4)) / levels
+    k_bound = k_step.repeat_interleave(G, 2) / 2 + 1e-2 * k.abs() + 1e-3  # + fp16 scale/min rounding
+    v_bound = v_step.repeat_interleave(G, 3) / 2 + 1e-2 * v.abs() + 1e-3
+    assert ((kd - k).abs() <= k_bound).all() and ((vd - v).abs() <= v_bound).all()
+
+
+def _errors(k, v, **gear):
+    valid = torch.ones(k.shape[:3], dtype=torch.bool)
+    kivi = encode_kivi(k, v, valid, 2, 32).dequantize(0, k.shape[2])
+    gear_ = encode_gear(k, v, valid, 2, 32, **gear).dequantize(0, k.shape[2])
+    return [((a - x).norm().item(), (b - x).norm().item()) for x, a, b in ((k, kivi[0], gear_[0]), (v, kivi[1], gear_[1]))]
+
+
+def test_gear_error_is_below_kivi_at_the_same_bits():
+    torch.manual_seed(0)
+    k = torch.randn(1, 2, 128, 64) + torch.randn(1, 2, 1, 64) * 4
+    v = torch.randn(1, 2, 128, 64)
+    for kivi_err, gear_err in _errors(k, v, rank=4, outlier_ratio=0.02, power_iters=3):
+        assert gear_err < kivi_err  # never worse, even where there is no structure to exploit
+    # sparse large entries (what GEAR's outlier term is for) inflate every group's range under KIVI alone
+    spikes = (torch.rand(1, 2, 128, 64) < 0.01) * torch.randn(1, 2, 128, 64) * 30
+    for kivi_err, gear_err in _errors(k + spikes, v + spikes, rank=4, outlier_ratio=0.04, power_iters=3):
+        assert gear_err < 0.9 * kivi_err
+
+
+def dense_reference(q, seg, rk, rv, pos, valid, qpos, window=None):
+    """Plain attention over the dequantized cache (independent of the block-wise online softmax)."""
+    g = q.shape[1] // rk.shape[1]
+    kd, vd = seg.dequantize(0, seg.num_slots)
+    K, V = torch.cat([kd, rk.float()], 2), torch.cat([vd, rv.float()], 2)
+    allowed = allowed_mask(qpos, pos, valid, window).repeat_interleave(g, 1)
+    logits = (q.float() @ K.repeat_interleave(g, 1).transpose(-1, -2)) * q.shape[-1] ** -0.5
+    return logits.masked_fill(~allowed, float("-inf")).softmax(-1) @ V.repeat_interleave(g, 1)
+
+
+def random_case(seed, B, HKV, G_QA, R_Q, TQ, TR, D=32, group=16, bits=2, gathered=False, window=None):
+    torch.manual_seed(seed)
+    k, v = torch.randn(B, HKV, TQ, D), torch.randn(B, HKV, TQ, D)
+    valid = torch.ones(B, HKV, TQ + TR, dtype=torch.bool)
+    valid[-1, :, :3] = False  # a left-padded row
+    seg = encode_kivi(k, v, valid[..., :TQ], bits, group)
+    pos = torch.arange(TQ + TR).expand(B, HKV, -1)
+    if gathered:  # an eviction policy dropped slots: ragged per head, explicit key-group ids
+        keep = torch.stack([torch.randperm(TQ)[: TQ - 5].sort().values for _ in range(B * HKV)]).view(B, HKV, -1)
+        seg = seg.gather(keep)
+        pos = torch.cat([pos[..., :TQ].gather(-1, keep), pos[..., TQ:]], -1)
+        valid = torch.cat([valid[..., :TQ].gather(-1, keep), valid[..., TQ:]], -1)
+    rk, rv = torch.randn(B, HKV, TR, D), torch.randn(B, HKV, TR, D)
+    qpos = torch.arange(TQ + TR - R_Q, TQ + TR)
+    q = torch.randn(B, HKV * G_QA, R_Q, D)
+    return q, seg, rk, rv, pos, valid, qpos, window
+
+
+CASES = [  # (B, Hkv, GQA group, q_len, quantized slots, residual slots, bits, gathered, window)
+    (1, 1, 1, 1, 32, 0, 2, False, None),
+    (2, 2, 4, 1, 64, 7, 2, False, None),
+    (1, 2, 3, 3, 48, 20, 4, False, None),
+    (2, 1, 2, 2, 80, 33, 2, True, None),
+    (1, 2, 2, 1, 96, 10, 8, True, 40),
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_low_bit_attention_equals_attention_over_dequantized_cache(case):
+    B, HKV, GQ, RQ, TQ, TR, bits, gathered, window = case
+    q, seg, rk, rv, pos, valid, qpos, window = random_case(0, B, HKV, GQ, RQ, TQ, TR, bits=bits, gathered=gathered,
+                                                           window=window)
+    expected = dense_reference(q, seg, rk, rv, pos, valid, qpos, window)
+    ref = quantized_attention_reference(q, seg, rk, rv, pos, valid, qpos, q.shape[-1] ** -0.5, window, block=24)
+    torch.testing.assert_close(ref, expected, atol=1e-5, rtol=1e-5)
+    assert triton_available(), "Triton must run here (CUDA, or TRITON_INTERPRET=1 on CPU)"
+    tri = quantized_attention_triton(q, seg, rk, rv, pos, valid, qpos, q.shape[-1] ** -0.5, window,
+                                     block_t=16, target_programs=4)
+    torch.testing.assert_close(tri, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_gear_attention_reference_equals_dense():
+    q, seg, rk, rv, pos, valid, qpos, _ = random_case(1, 1, 2, 2, 1, 32, 5)
+    torch.manual_seed(2)
+    k, v = torch.randn(1, 2, 32, 32), torch.randn(1, 2, 32, 32)
+    seg = encode_gear(k, v, valid[..., :32], 2, 16, rank=2, outlier_ratio=0.05, power_iters=3)
+    torch.testing.assert_close(
+        quantized_attention_reference(q, seg, rk, rv, pos, valid, qpos, 32 ** -0.5, block=8),
+        dense_reference(q, seg, rk, rv, pos, valid, qpos), atol=1e-5, rtol=1e-5)
+
+
+def _kivi_layers(cache):
+    return [layer for layer in cache.layers if isinstance(layer, KVPressLayer)]
+
+
+def test_nbytes_is_the_real_storage_and_residual_stays_bounded():
+    """300 generated tokens with KIVI(residual 32, group 16): after every forward the full-precision part holds
+    at most residual + group - 1 tokens, and nbytes() equals the bytes of the tensors the layer holds."""
+    model = tiny_model("llama")
+    record = []
+
+    def after(module, args, kwargs, output):
+        for layer in _kivi_layers(kwargs["past_key_values"]):
+            held = [layer.keys, layer.values, *(layer.quantized.tensors() if layer.quantized else [])]
+            record.append((layer.stored - layer.quantized_len, layer.nbytes(),
+                           sum(t.untyped_storage().nbytes() for t in held), layer.quantized_len))
+
+    with kvpress.patch_model(model, KIVI(bits=2, group_size=16, residual_length=32)):
+        handle = model.register_forward_hook(after, with_kwargs=True)
+        greedy(model, torch.randint(3, 128, (1, 40)), 300)
+        handle.remove()
+    assert max(r[0] for r in record) <= 32 + 16 - 1 and min(r[0] for r in record[2:]) >= 32
+    assert all(nbytes == real for _, nbytes, real, _ in record)  # no hidden views onto bigger buffers
+    assert record[-1][3] == ((340 - 1 - 32) // 16) * 16  # everything older than the residual is low-bit
+
+
+def test_kv_bytes_of_kivi2_match_the_theory():
+    """KIVI-2, group 32, residual 128, fp16 K/V, 8K tokens: codes + scales + residual, nothing else."""
+    B, H, T, D, G, R = 1, 2, 8192, 64, 32, 128
+    layer = KVPressLayer()
+    layer.update(torch.randn(B, H, T, D, dtype=torch.float16), torch.randn(B, H, T, D, dtype=torch.float16))
+    full = layer.kv_nbytes()
+    KIVI(bits=2, group_size=G, residual_length=R).flush(type("Ctx", (), {"layer": layer})())
+    n_q = ((T - R) // G) * G
+    theory = 2 * n_q * D * 2 // 8 + 2 * (n_q // G) * D * 2 + 2 * n_q * (D // G) * 2 + (T - n_q) * D * 2 * 2
+    assert abs(layer.kv_nbytes() - theory * H) <= 0.05 * theory * H
+    assert layer.kv_nbytes() <= 0.22 * full
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_decode_over_evicted_and_quantized_cache_equals_dense_reference(arch):
+    """snapkv+kivi: the stock model reading a plain cache with the dequantized kept tokens gives the same logits."""
+    model = tiny_model(arch)
+    torch.manual_seed(3)
+    ids, nxt = torch.randint(3, 128, (1, 90)), torch.tensor([[5]])
+    with kvpress.patch_model(model, "snapkv+kivi", budget=60, window_size=4, bits=4, group_size=16,
+                             residual_length=16):
+        cache = KVPressCache(model.config)
+        model(ids, past_key_values=cache)
+        snapshot = []
+        for layer in cache.layers:
+            assert layer.quantized_len == 32 and layer.stored == 60
+            kd, vd = layer.quantized.dequantize(0, layer.quantized_len)
+            snapshot.append((torch.cat([kd, layer.keys], 2), torch.cat([vd, layer.values], 2)))
+        logits = model(nxt, past_key_values=cache).logits
+    dense = DynamicCache()
+    for i, (k, v) in enumerate(snapshot):
+        dense.update(k, v, i)
+    ref = model(nxt, past_key_values=dense, position_ids=torch.tensor([[90]])).logits
+    torch.testing.assert_close(logits, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_time_eviction_over_a_quantized_cache_holds_the_budget():
+    model = tiny_model("llama")
+    with kvpress.patch_model(model, [H2O(budget=48, recent=8), KIVI(bits=2, group_size=16, residual_length=16)]):
+        cache = KVPressCache(model.config)
+        greedy(model, torch.randint(3, 128, (1, 64)), 100, past_key_values=cache)
+    for layer in cache.layers:
+        assert (layer.tokens_per_head() == 48).all() and layer.quantized_len > 0
+        assert layer.stored <= 48 + 16  # per-head fillers stay bounded
+
+
+# ---------------------------------------------------------------------------- real model
+def test_smollm2_kivi4_matches_full_cache_on_16_tokens(smollm2):
+    model, tok = smollm2
+    ids = tok.apply_chat_template([{"role": "user", "content": "Explain in a few sentences why the sky is blue, "
+                                    "and why sunsets are red."}], add_generation_prompt=True, return_tensors="pt",
+                                  return_dict=True)["input_ids"]
+    assert ids.shape[1] >= 48  # so that most of the prompt is stored low-bit
+    ref = greedy(model, ids, 16)
+    with kvpress.patch_model(model, "kivi", bits=4, group_size=16, residual_length=16):  # most of the prompt low-bit
+        out = greedy(model, ids, 16)
+    assert out.tolist() == ref.tolist()
+
+
+def test_smollm2_snapkv_kivi_batch_of_two_left_padded(smollm2):
+    model, tok = smollm2
+    tok.padding_side = "left"
+    texts = ["Tell me a fact about owls. " * 12, "Name a colour."]
+    batch = tok(texts, return_tensors="pt", padding=True)
+    with kvpress.patch_model(model, "snapkv+kivi", compression_ratio=0.5, bits=2, group_size=16, residual_length=16):
+        cache = KVPressCache(model.config)
+        out = model.generate(**batch, past_key_values=cache, max_new_tokens=6, do_sample=False)
+    assert out.shape[0] == 2
+    layer = cache.layers[0]
+    assert layer.quantized_len > 0 and layer.valid is not None
+    kept = layer.tokens_per_head()
+    n_real = batch.attention_mask.sum(1)
+    assert kept[:, 0].tolist() == [int(n - n // 2) + 5 for n in n_real]
+
+
+# ---------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(policy="kivi", bits=3), r"kivi: bits=3; allowed values: \[2, 4, 8\]"),
+    (dict(policy="kivi", group_size=32), r"group_size=32 does not divide the model's head_dim=16"),
+    (dict(policy="kivi+gear"), r"two storage codecs"),
+    (dict(policy=["snapkv", "h2o", "kivi"], compression_ratio=0.5), r"two eviction policies"),
+    (dict(policy="snapkv+kivii"), r"policy='kivii' is unknown"),
+    (dict(policy="gear", rank=0), r"gear: rank=0; allowed values"),
+    (dict(policy="streaming_llm+kivi", budget=64, cache_local_positions=True), r"cannot combine with the codec"),
+])
+def test_bad_codec_arguments_leave_model_untouched(kwargs, match):
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match=match):
+        kvpress.patch_model(model, **kwargs)
+    assert model.config._attn_implementation == "sdpa" and "generate" not in model.__dict__
