@@ -138,10 +138,31 @@ def test_gear_attention_reference_equals_dense():
     q, seg, rk, rv, pos, valid, qpos, _ = random_case(1, 1, 2, 2, 1, 32, 5)
     torch.manual_seed(2)
     k, v = torch.randn(1, 2, 32, 32), torch.randn(1, 2, 32, 32)
-    seg = encode_gear(k, v, valid[..., :32], 2, 16, rank=2, outlier_ratio=0.05, power_iters=3)
+    seg = encode_gear(k, v, valid[..., :32], 2, 16, rank=2, outlier_ratio=0.25, power_iters=3)
+    assert seg.k_out_slot.shape[-1] == 2 * 4 * 32 and seg.v_out_idx.shape[-1] == 2 * 4
     torch.testing.assert_close(
         quantized_attention_reference(q, seg, rk, rv, pos, valid, qpos, 32 ** -0.5, block=8),
         dense_reference(q, seg, rk, rv, pos, valid, qpos), atol=1e-5, rtol=1e-5)
+
+
+def test_gear_outliers_follow_their_tokens_through_eviction():
+    torch.manual_seed(4)
+    k, v = torch.randn(1, 2, 32, 16) * 2, torch.randn(1, 2, 32, 16)
+    seg = encode_gear(k, v, torch.ones(1, 2, 32, dtype=torch.bool), 2, 16, rank=2, outlier_ratio=0.25, power_iters=3)
+    before = seg.dequantize(0, 32)
+    keep = torch.tensor([[[0, 3, 4, 9, 20, 31, 0], [1, 2, 5, 8, 16, 30, 0]]])  # last column: a filler
+    real = torch.tensor([True] * 6 + [False]).expand(1, 2, 7)
+    after = seg.gather(keep, real).dequantize(0, 7)
+    for b, a in zip(before, after):
+        torch.testing.assert_close(a[..., :6, :], b.gather(2, keep[..., :6, None].expand(-1, -1, -1, 16)))
+    # every surviving key outlier entry points at its token's new slot and reproduces the original value
+    kept = seg.gather(keep, real)
+    k_exact = k.gather(2, keep[..., :6, None].expand(-1, -1, -1, 16))
+    live = kept.k_out_slot >= 0
+    assert live.sum() > 0 and (kept.k_out_slot[live] < 6).all()
+    for h in range(2):
+        slots, chans = kept.k_out_slot[0, h][live[0, h]].long(), kept.k_out_chan[0, h][live[0, h]].long()
+        torch.testing.assert_close(after[0][0, h, slots, chans], k_exact[0, h, slots, chans], atol=1e-2, rtol=1e-3)
 
 
 def _kivi_layers(cache):

@@ -69,19 +69,21 @@ class QuantizedSegment:
     v_scale: torch.Tensor  # fp16 [B, H, T, D/G]  per slot, per group of channels
     v_min: torch.Tensor
     k_group: torch.Tensor | None = None  # int32 [B, H, T]; None: slot // group_size
-    # GEAR only: exact outliers (per slot: channel index + value) and low-rank error factors per chunk
-    k_out_idx: torch.Tensor | None = None  # uint8/int16 [B, H, T, n_out]
-    k_out_val: torch.Tensor | None = None  # fp16 [B, H, T, n_out]
-    v_out_idx: torch.Tensor | None = None
-    v_out_val: torch.Tensor | None = None
+    # GEAR only. Key outliers are per channel (sparse entries: slot, channel, exact value; slot -1 once the
+    # token is evicted); value outliers per slot row (channel index + exact value).
+    k_out_slot: torch.Tensor | None = None  # int32 [B, H, N]
+    k_out_chan: torch.Tensor | None = None  # uint8/int16 [B, H, N]
+    k_out_val: torch.Tensor | None = None  # fp16 [B, H, N]
+    v_out_idx: torch.Tensor | None = None  # uint8/int16 [B, H, T, n_out]
+    v_out_val: torch.Tensor | None = None  # fp16 [B, H, T, n_out]
     k_lr: torch.Tensor | None = None  # fp16 [B, H, T, r]      row factor of each slot
     v_lr: torch.Tensor | None = None
     k_basis: torch.Tensor | None = None  # fp16 [B, H, Nc, D, r] one basis per encoded chunk
     v_basis: torch.Tensor | None = None
     chunk: torch.Tensor | None = None  # int32 [B, H, T] chunk of each slot (GEAR)
 
-    _PER_SLOT = ("k_codes", "v_codes", "v_scale", "v_min", "k_group", "k_out_idx", "k_out_val", "v_out_idx",
-                 "v_out_val", "k_lr", "v_lr", "chunk")
+    _PER_SLOT = ("k_codes", "v_codes", "v_scale", "v_min", "k_group", "v_out_idx", "v_out_val", "k_lr", "v_lr",
+                 "chunk")
 
     @property
     def num_slots(self) -> int:
@@ -117,17 +119,32 @@ class QuantizedSegment:
                                   if explicit else None)
             elif f.name == "chunk" and a is not None:
                 merged[f.name] = torch.cat([a, b + self.k_basis.shape[2]], 2)
+            elif f.name == "k_out_slot" and a is not None:
+                merged[f.name] = torch.cat([a, torch.where(b >= 0, b + self.num_slots, b)], 2)
             elif isinstance(a, torch.Tensor):
                 merged[f.name] = torch.cat([a, b], 2)
             else:
                 merged[f.name] = a
         return QuantizedSegment(**merged)
 
-    def gather(self, indices: torch.Tensor) -> "QuantizedSegment":
-        """Keep slots `indices` [B, H, T'] (rows of every per-slot tensor); group scales stay shared."""
+    def gather(self, indices: torch.Tensor, real: torch.Tensor | None = None) -> "QuantizedSegment":
+        """Keep slots `indices` [B, H, T'] (rows of every per-slot tensor); group scales stay shared. `real`
+        flags which kept slots are real (not fillers), so sparse entries follow only real tokens."""
         if self.k_group is None:
             self = replace(self, k_group=self.key_groups().contiguous())
         out = {}
+        if self.k_out_slot is not None:
+            new_index = torch.full(self.k_codes.shape[:3], -1, dtype=torch.int32, device=indices.device)
+            kept = torch.arange(indices.shape[-1], dtype=torch.int32, device=indices.device).expand_as(indices)
+            if real is not None:  # fillers point at arbitrary slots: route them to a dummy column
+                indices_real = torch.where(real, indices, new_index.shape[-1])
+                new_index = torch.cat([new_index, new_index[..., :1]], -1)
+                new_index.scatter_(-1, indices_real, kept)
+                new_index = new_index[..., :-1]
+            else:
+                new_index.scatter_(-1, indices, kept)
+            slot = self.k_out_slot.long()
+            out["k_out_slot"] = torch.where(slot >= 0, new_index.gather(-1, slot.clamp(min=0)), -1)
         for name in self._PER_SLOT:
             t = getattr(self, name)
             if t is None:
@@ -146,10 +163,24 @@ class QuantizedSegment:
         """fp32 keys [B, H, end-start, D] of a block of slots (GEAR terms included)."""
         dim = self.head_dim
         codes = unpack(self.k_codes[:, :, start:end], self.bits).float()
-        groups = self.key_groups()[:, :, start:end].long()[..., None].expand(-1, -1, -1, dim)
-        k = codes * self.k_scale.float().gather(2, groups) + self.k_min.float().gather(2, groups)
-        if self.k_out_idx is not None:
-            k = self._correct(k, start, end, self.k_out_idx, self.k_out_val, self.k_lr, self.k_basis)
+        if self.k_group is None:  # slots in group order: expand the block's group scales
+            g = self.group_size
+            sl = slice(start // g, (end + g - 1) // g)
+            offset = start % g
+            scale = self.k_scale[:, :, sl].float().repeat_interleave(g, 2)[:, :, offset:offset + end - start]
+            low = self.k_min[:, :, sl].float().repeat_interleave(g, 2)[:, :, offset:offset + end - start]
+        else:
+            groups = self.k_group[:, :, start:end].long()[..., None].expand(-1, -1, -1, dim)
+            scale, low = self.k_scale.float().gather(2, groups), self.k_min.float().gather(2, groups)
+        k = codes * scale + low
+        if self.k_lr is not None:
+            k = self._add_low_rank(k, start, end, self.k_lr, self.k_basis)
+            # exact per-channel outliers of the slots in this block (the others go to a dummy column)
+            slot = self.k_out_slot.long()
+            inside = (slot >= start) & (slot < end)
+            flat = torch.where(inside, (slot - start) * dim + self.k_out_chan.long(), (end - start) * dim)
+            k = torch.cat([k.flatten(2), k.new_zeros(*k.shape[:2], 1)], -1)
+            k = k.scatter(-1, flat, self.k_out_val.float())[..., :-1].view(*k.shape[:2], end - start, dim)
         return k
 
     def dequantize_values(self, start: int, end: int) -> torch.Tensor:
@@ -158,30 +189,35 @@ class QuantizedSegment:
         codes = unpack(self.v_codes[:, :, start:end], self.bits).float()
         v = codes * self.v_scale[:, :, start:end].float().repeat_interleave(per, -1) \
             + self.v_min[:, :, start:end].float().repeat_interleave(per, -1)
-        if self.v_out_idx is not None:
-            v = self._correct(v, start, end, self.v_out_idx, self.v_out_val, self.v_lr, self.v_basis)
+        if self.v_lr is not None:
+            v = self._add_low_rank(v, start, end, self.v_lr, self.v_basis)
+            v = v.scatter(-1, self.v_out_idx[:, :, start:end].long(), self.v_out_val[:, :, start:end].float())
         return v
 
     def dequantize(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.dequantize_keys(start, end), self.dequantize_values(start, end)
 
-    def _correct(self, x, start, end, out_idx, out_val, lr, basis):
+    def _add_low_rank(self, x, start, end, lr, basis):
         chunk = self.chunk[:, :, start:end].long()
         b = basis.float().gather(2, chunk[..., None, None].expand(-1, -1, -1, *basis.shape[3:]))  # [B,H,n,D,r]
-        x = x + torch.einsum("bhnr,bhndr->bhnd", lr[:, :, start:end].float(), b)
-        return x.scatter(-1, out_idx[:, :, start:end].long(), out_val[:, :, start:end].float())
+        return x + torch.einsum("bhnr,bhndr->bhnd", lr[:, :, start:end].float(), b)
 
 
-def encode_kivi(k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, bits: int, group_size: int):
+def encode_kivi(k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, bits: int, group_size: int,
+                k_counts: torch.Tensor | None = None, v_counts: torch.Tensor | None = None):
     """Quantize n slots (n a multiple of group_size) of K/V [B, H, n, D]; `valid` [B, H, n] excludes padding
-    and filler slots from the ranges."""
+    and filler slots from the ranges; `k_counts`/`v_counts` [B, H, n, D] exclude single entries (outliers
+    kept exactly elsewhere)."""
     batch, heads, n, dim = k.shape
     g = group_size
     kg = k.reshape(batch, heads, n // g, g, dim)
     kvalid = valid.reshape(batch, heads, n // g, g, 1)
+    if k_counts is not None:
+        kvalid = kvalid & k_counts.reshape(batch, heads, n // g, g, dim)
     k_codes, k_scale, k_min = quantize(kg, bits, dim=3, valid=kvalid)  # per channel over g slots
     vg = v.reshape(batch, heads, n, dim // g, g)
-    v_codes, v_scale, v_min = quantize(vg, bits, dim=4)  # per slot over g channels
+    vvalid = None if v_counts is None else v_counts.reshape(batch, heads, n, dim // g, g)
+    v_codes, v_scale, v_min = quantize(vg, bits, dim=4, valid=vvalid)  # per slot over g channels
     return QuantizedSegment(
         bits=bits, group_size=g,
         k_codes=pack(k_codes.reshape(batch, heads, n, dim), bits), k_scale=k_scale, k_min=k_min,
@@ -189,14 +225,14 @@ def encode_kivi(k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, bits: int
     )
 
 
-def _split_outliers(x: torch.Tensor, n_out: int):
-    """Per slot row: the n_out largest and n_out smallest entries, kept exactly; replaced by the row mean."""
-    top = x.topk(n_out, dim=-1).indices
-    bottom = (-x).topk(n_out, dim=-1).indices
-    idx = torch.cat([top, bottom], -1)
-    vals = x.gather(-1, idx)
-    filled = x.scatter(-1, idx, x.mean(-1, keepdim=True).expand_as(idx).contiguous())
-    return filled, idx, vals
+def _outliers(x: torch.Tensor, n_out: int):
+    """Along the last dim: positions and values of the n_out largest and n_out smallest entries, and a mask
+    that is False there (they are kept exactly, so they must not stretch their quantization group)."""
+    if n_out == 0:
+        return x.new_zeros(*x.shape[:-1], 0, dtype=torch.long), x.new_zeros(*x.shape[:-1], 0), None
+    idx = torch.cat([x.topk(n_out, dim=-1).indices, (-x).topk(n_out, dim=-1).indices], -1)
+    counts = torch.ones_like(x, dtype=torch.bool).scatter(-1, idx, False)
+    return idx, x.gather(-1, idx), counts
 
 
 def _low_rank(err: torch.Tensor, rank: int, iters: int, seed: int):
@@ -214,29 +250,36 @@ def _low_rank(err: torch.Tensor, rank: int, iters: int, seed: int):
 
 
 def encode_gear(k, v, valid, bits, group_size, rank, outlier_ratio, power_iters, seed=0):
-    """GEAR: X ~= deq(Q(X - S)) with outliers S restored exactly, + a rank-r correction of what remains."""
-    dim = k.shape[-1]
-    n_out = max(1, round(outlier_ratio * dim / 2)) if outlier_ratio > 0 else 0
-    parts, extras = [], {}
-    for name, x in (("k", k), ("v", v)):
-        x = x.float() * valid[..., None]
-        if n_out:
-            x_in, idx, vals = _split_outliers(x, n_out)
-        else:
-            x_in, idx, vals = x, x.new_zeros(*x.shape[:3], 0, dtype=torch.long), x.new_zeros(*x.shape[:3], 0)
-        parts.append(x_in)
-        extras[name] = (x, idx, vals)
-    seg = encode_kivi(parts[0], parts[1], valid, bits, group_size)
-    idx_dtype = torch.uint8 if dim <= 256 else torch.int16
-    seg = replace(seg, k_out_idx=extras["k"][1].to(idx_dtype), k_out_val=extras["k"][2].half(),
-                  v_out_idx=extras["v"][1].to(idx_dtype), v_out_val=extras["v"][2].half())
+    """GEAR: X ~= deq(Q(X - S)) + low-rank, with the outliers S restored exactly. As in the reference, key
+    outliers are the outlier_ratio/2 largest and smallest entries of each channel over the encoded slots,
+    value outliers those of each slot row; counts are floored (a small group may have none)."""
+    batch, heads, n, dim = k.shape
+    mask = valid[..., None]
+    k, v = k.float() * mask, v.float() * mask
+    # keys: per channel, along the slots
+    n_k = int(outlier_ratio * n / 2)
+    k_idx, k_val, k_counts = _outliers(k.transpose(2, 3), n_k)  # [B,H,D,2n_k]
+    chan = torch.arange(dim, device=k.device)[:, None].expand(dim, 2 * n_k)
+    chan_dtype = torch.uint8 if dim <= 256 else torch.int16
+    # values: per slot row, along the channels
+    n_v = int(outlier_ratio * dim / 2)
+    v_idx, v_val, v_counts = _outliers(v, n_v)
+    seg = encode_kivi(k, v, valid, bits, group_size,
+                      None if k_counts is None else k_counts.transpose(2, 3), v_counts)
+    zero_lr = torch.zeros(batch, heads, n, rank, device=k.device, dtype=torch.float16)
+    zero_basis = torch.zeros(batch, heads, 1, dim, rank, device=k.device, dtype=torch.float16)
+    probe = replace(
+        seg,
+        k_out_slot=k_idx.reshape(batch, heads, -1).to(torch.int32),
+        k_out_chan=chan.reshape(-1).expand(batch, heads, -1).to(chan_dtype).contiguous(),
+        k_out_val=k_val.reshape(batch, heads, -1).half(),
+        v_out_idx=v_idx.to(chan_dtype), v_out_val=v_val.half(),
+        k_lr=zero_lr, v_lr=zero_lr, k_basis=zero_basis, v_basis=zero_basis,
+        chunk=torch.zeros(batch, heads, n, dtype=torch.int32, device=k.device),
+    )
     # the error that quantization + outliers leave, corrected by a low-rank term
-    zero_lr = torch.zeros(*k.shape[:3], rank, device=k.device, dtype=torch.float16)
-    zero_basis = torch.zeros(*k.shape[:2], 1, dim, rank, device=k.device, dtype=torch.float16)
-    chunk = torch.zeros(k.shape[:3], dtype=torch.int32, device=k.device)
-    probe = replace(seg, k_lr=zero_lr, v_lr=zero_lr, k_basis=zero_basis, v_basis=zero_basis, chunk=chunk)
-    k_hat, v_hat = probe.dequantize(0, k.shape[2])
-    k_a, k_b = _low_rank((extras["k"][0] - k_hat) * valid[..., None], rank, power_iters, seed)
-    v_a, v_b = _low_rank((extras["v"][0] - v_hat) * valid[..., None], rank, power_iters, seed + 1)
-    return replace(probe, k_lr=k_a.half(), v_lr=v_a.half(), k_basis=k_b[:, :, None].half(),
-                   v_basis=v_b[:, :, None].half())
+    k_hat, v_hat = probe.dequantize(0, n)
+    k_a, k_b = _low_rank((k - k_hat) * mask, rank, power_iters, seed)
+    v_a, v_b = _low_rank((v - v_hat) * mask, rank, power_iters, seed + 1)
+    return replace(probe, k_lr=k_a.half(), v_lr=v_a.half(),
+                   k_basis=k_b[:, :, None].half(), v_basis=v_b[:, :, None].half())

@@ -173,7 +173,8 @@ class KVPressLayer(CacheLayerMixin):
             valid = keep_valid if valid is None else valid & keep_valid
         n_q = self.quantized_len
         if self.quantized is not None:
-            self.quantized = self.quantized.gather(indices[..., :width_q])
+            real = None if keep_valid is None else keep_valid[..., :width_q]
+            self.quantized = self.quantized.gather(indices[..., :width_q], real)
         residual_idx = indices[..., width_q:] - n_q
         gather_kv = residual_idx[..., None].expand(-1, -1, -1, self.keys.shape[-1])
         self.keys = self.keys.gather(2, gather_kv)

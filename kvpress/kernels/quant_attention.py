@@ -67,7 +67,7 @@ def quantized_attention(query, segment, residual_keys, residual_values, key_posi
     """Dispatch: Triton on CUDA for plain KIVI segments (no GEAR terms, no soft-capping), else the reference."""
     from . import triton_quant
 
-    if (query.is_cuda and triton_quant.available() and segment.k_out_idx is None and softcap is None):
+    if (query.is_cuda and triton_quant.available() and segment.k_lr is None and softcap is None):
         return triton_quant.quantized_attention_triton(
             query, segment, residual_keys, residual_values, key_positions, key_valid, query_positions, scaling,
             sliding_window)

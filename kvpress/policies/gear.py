@@ -8,13 +8,13 @@ from .registry import register
 @register
 @dataclass
 class GEAR(KIVI):
-    """GEAR (Kang et al. 2024) storage: KIVI-style quantization of X - S, where S keeps the `outlier_ratio`
-    largest-magnitude entries of each token row exactly (half largest, half smallest), plus a rank-`rank`
-    approximation (power iteration, `power_iters` steps, fp32) of the remaining error, computed per group
-    of slots as it is quantized. Reconstruction: deq(Q) + low-rank, outliers restored exactly.
-    Outliers are picked per token row for keys too (the reference picks key outliers per channel), so they
-    move with their token when an eviction policy drops slots. Defaults from the GEAR scripts: 2-bit,
-    group 64, 2% outliers, 3 power iterations; rank 2 (their decode rank; prefill uses 4 there)."""
+    """GEAR (Kang et al. 2024) storage: KIVI-style quantization of X - S, where S holds outliers kept exactly
+    (per key channel and per value row: the outlier_ratio/2 largest and smallest entries, counts floored as
+    in the reference), plus a rank-`rank` approximation (power iteration, `power_iters` steps, fp32) of the
+    remaining error, computed for each group of slots as it is quantized. Reconstruction: deq(Q) + low-rank,
+    outliers restored exactly. Key outliers are stored as sparse (slot, channel, value) entries that follow
+    their token when an eviction policy drops slots. Defaults from the GEAR scripts: 2-bit, group 64, 2%
+    outliers, 3 power iterations; rank 2 (their decode rank; their prefill rank is 4)."""
 
     name = "gear"
     bits: int = 2
