@@ -37,6 +37,9 @@ class KVPressCache(Cache):
             ]
             super().__init__(layers=layers)
         self._token_mask: torch.Tensor | None = None
+        # A read policy whose selection every kvpress layer reads instead of all its slots (the draft view
+        # of self-speculative decoding); None: read everything.
+        self.read_view = None
 
     def set_attention_mask(self, attention_mask: torch.Tensor | None) -> None:
         """Record the 2-D padding mask [B, seen + q_len] of the forward about to run (set by the patch's

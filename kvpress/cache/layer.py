@@ -37,6 +37,7 @@ class KVPressLayer(CacheLayerMixin):
         self.valid: torch.Tensor | None = None
         self.slot_state: dict[str, torch.Tensor] = {}
         self.row_budget: torch.Tensor | None = None
+        self.aux: dict = {}  # derived read-side state (e.g. per-page key statistics); dropped on compaction
         self.seen = 0
         self.last_q_len = 0
 
@@ -87,6 +88,7 @@ class KVPressLayer(CacheLayerMixin):
         self.is_initialized = False
         self.quantized = self.positions = self.valid = self.row_budget = None
         self.slot_state = {}
+        self.aux = {}
         self.seen = self.last_q_len = 0
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -182,6 +184,7 @@ class KVPressLayer(CacheLayerMixin):
         self.positions = positions.gather(-1, indices)
         self.valid = valid
         self.slot_state = {name: s.gather(-1, indices) for name, s in self.slot_state.items()}
+        self.aux = {}
 
     def _keep_segments(self, indices, keep_valid):
         """Kept slots of each row/head split into quantized and full-precision parts; rows/heads that keep
@@ -212,6 +215,7 @@ class KVPressLayer(CacheLayerMixin):
         self.quantized = segment if self.quantized is None else self.quantized.append(segment)
         self.keys = self.keys[:, :, n:].clone()
         self.values = self.values[:, :, n:].clone()
+        self.aux = {}
 
     def key_logits(self, query: torch.Tensor, scaling: float, softcap: float | None = None,
                    upto: int | None = None, block: int = 4096) -> torch.Tensor:
@@ -262,6 +266,8 @@ class KVPressLayer(CacheLayerMixin):
         if self.valid is not None:
             self.valid = self.valid[..., :n].clone()
         self.slot_state = {name: s[..., :n].clone() for name, s in self.slot_state.items()}
+        for derived in self.aux.values():
+            derived.truncate(n)
 
     def _map_tensors(self, fn, include_rows: bool = False) -> None:
         self.keys, self.values = fn(self.keys), fn(self.values)
@@ -274,3 +280,4 @@ class KVPressLayer(CacheLayerMixin):
         self.slot_state = {name: fn(s) for name, s in self.slot_state.items()}
         if include_rows and self.row_budget is not None:
             self.row_budget = fn(self.row_budget)
+        self.aux = {}

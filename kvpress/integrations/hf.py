@@ -21,6 +21,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from ..cache import KVPressCache, KVPressLayer
 from ..kernels import allowed_mask
 from ..kernels.quant_attention import quantized_attention
+from ..kernels.sparse_attention import sparse_attention
 from ..policies import Context, Policy, resolve_policy
 
 SUPPORTED_BASES = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")
@@ -60,7 +61,17 @@ def kvpress_attention(module, query, key, value, attention_mask, **kwargs):
         rotary_inv_freq=binding.inv_freq,
     )
     keys = patch.policy.key_view(ctx)
-    if layer.quantized is not None:
+    # A read view: the cache's draft view during self-speculation, else a read policy after prefill.
+    selector = cache.read_view
+    if selector is None and patch.policy.selects and phase != "prefill":
+        selector = patch.policy
+    if selector is not None and layer.quantized is None:
+        indices, index_valid = selector.select(ctx)
+        index_valid = index_valid & layer.key_valid().gather(-1, indices)
+        out = sparse_attention(query, keys, layer.values, indices, index_valid, layer.key_positions(),
+                               ctx.query_positions(), ctx.scaling, ctx.sliding_window, ctx.softcap)
+        out = (out.transpose(1, 2).contiguous(), None)
+    elif layer.quantized is not None:
         # Older slots are low-bit: read the packed codes block by block, never a full-precision copy.
         out = quantized_attention(query, layer.quantized, layer.keys, layer.values, layer.key_positions(),
                                   layer.valid, ctx.query_positions(), ctx.scaling, ctx.sliding_window, ctx.softcap)

@@ -11,23 +11,8 @@ from __future__ import annotations
 import torch
 
 from ..cache.codecs import QuantizedSegment
+from .online_softmax import block_update, empty_state, finish
 from .scores import allowed_mask
-
-
-def _block_update(state, q, keys, values, scaling, softcap, allowed):
-    """Online-softmax step. q [B,Hkv,g,r,D] fp32; keys/values [B,Hkv,n,D] fp32; allowed [B,Hkv,r,n]."""
-    m, l, acc = state
-    logits = torch.einsum("bhgrd,bhnd->bhgrn", q, keys) * scaling
-    if softcap is not None:
-        logits = torch.tanh(logits / softcap) * softcap
-    logits = logits.masked_fill(~allowed[:, :, None], float("-inf"))
-    m_new = torch.maximum(m, logits.amax(-1))
-    safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
-    p = torch.exp(logits - safe[..., None])
-    correction = torch.exp(m - safe)
-    l = l * correction + p.sum(-1)
-    acc = acc * correction[..., None] + torch.einsum("bhgrn,bhnd->bhgrd", p, values)
-    return m_new, l, acc
 
 
 def quantized_attention_reference(
@@ -47,19 +32,17 @@ def quantized_attention_reference(
     batch, hq, rows, dim = query.shape
     hkv = residual_keys.shape[1]
     q = query.reshape(batch, hkv, hq // hkv, rows, dim).float()
-    m = torch.full(q.shape[:-1], float("-inf"), device=query.device)
-    state = (m, torch.zeros_like(m), torch.zeros_like(q))
+    state = empty_state(q)
     allowed = allowed_mask(query_positions, key_positions, key_valid, sliding_window)  # [B,Hkv,r,T]
     n_q = segment.num_slots
     for start in range(0, n_q, block):
         end = min(n_q, start + block)
         keys, values = segment.dequantize(start, end)
-        state = _block_update(state, q, keys, values, scaling, softcap, allowed[..., start:end])
+        state = block_update(state, q, keys, values, scaling, softcap, allowed[..., start:end])
     if residual_keys.shape[2]:
-        state = _block_update(state, q, residual_keys.float(), residual_values.float(), scaling, softcap,
+        state = block_update(state, q, residual_keys.float(), residual_values.float(), scaling, softcap,
                               allowed[..., n_q:])
-    _, l, acc = state
-    return (acc / l[..., None]).reshape(batch, hq, rows, dim).to(query.dtype)
+    return finish(state, query)
 
 
 def quantized_attention(query, segment, residual_keys, residual_values, key_positions, key_valid,

@@ -108,7 +108,7 @@ def quantized_attention_triton(query, segment, residual_keys, residual_values, k
                                query_positions, scaling, sliding_window=None, softcap=None,
                                block_t: int = 64, target_programs: int = 512):
     """Same signature and result as `quantized_attention_reference`."""
-    from .quant_attention import _block_update
+    from .online_softmax import block_update, finish, merge_splits
 
     if softcap is not None:
         raise ValueError("softcap is not supported by the Triton low-bit kernel; use the reference")
@@ -142,19 +142,12 @@ def quantized_attention_triton(query, segment, residual_keys, residual_values, k
         HAS_GROUP=groups is not None, HAS_VALID=key_valid is not None, HAS_WINDOW=sliding_window is not None,
     )
     # merge the splits, then the full-precision residual, in fp32
-    m = m_part.amax(1)
-    safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    w = torch.exp(m_part - safe[:, None])
-    l = (l_part * w).sum(1)
-    acc = (acc_part * w[..., None]).sum(1)
-    shape = (batch, hkv, g, rows)
-    state = (m[:, :m_rows].reshape(shape), l[:, :m_rows].reshape(shape), acc[:, :m_rows].reshape(*shape, dim))
+    state = merge_splits(m_part, l_part, acc_part, (batch, hkv, g, rows), dim)
     if residual_keys.shape[2]:
         from .scores import allowed_mask
 
         allowed = allowed_mask(query_positions, key_positions[..., n_q:],
                                None if key_valid is None else key_valid[..., n_q:], sliding_window)
         qf = query.reshape(batch, hkv, g, rows, dim).float()
-        state = _block_update(state, qf, residual_keys.float(), residual_values.float(), scaling, None, allowed)
-    _, l, acc = state
-    return (acc / l[..., None]).reshape(batch, hq, rows, dim).to(query.dtype)
+        state = block_update(state, qf, residual_keys.float(), residual_values.float(), scaling, None, allowed)
+    return finish(state, query)

@@ -132,6 +132,7 @@ class Policy:
     name: ClassVar[str] = "none"
     needs_budget: ClassVar[bool] = False
     is_codec: ClassVar[bool] = False  # a storage codec (KIVI, GEAR) rather than an eviction policy
+    selects: ClassVar[bool] = False  # a read policy: select(ctx) picks the slots decode steps read
 
     def validate(self) -> None:
         """Raise ValueError naming the parameter and its allowed values; called before any patching."""

@@ -18,6 +18,9 @@ class Composed(Policy):
     def validate(self) -> None:
         self.evictor.validate()
         self.codec.validate()
+        if self.evictor.selects:
+            raise ValueError(f"{self.evictor.name}: sparse reads over low-bit storage are not supported; "
+                             f"allowed: {self.evictor.name} alone, or an eviction policy + {self.codec.name}")
         if getattr(self.evictor, "cache_local_positions", False):
             raise ValueError(
                 f"{self.evictor.name}: cache_local_positions=True re-rotates full-precision keys and cannot combine "

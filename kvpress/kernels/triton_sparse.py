@@ -1,0 +1,93 @@
+"""Triton kernel: attention over gathered slot indices, loading K/V rows straight from the cache.
+
+Split-K over the index list; program (b*h, s) loads BLOCK_T indices, then their key/value rows, and keeps an
+online softmax; partials are merged in torch. Same signature as `sparse_attention_reference`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .triton_quant import available, triton
+
+if triton is not None:
+    import triton.language as tl
+
+    @triton.jit
+    def _sparse_attn_kernel(
+        q_ptr, k_ptr, v_ptr, idx_ptr, ok_ptr, pos_ptr, qpos_ptr, m_out, l_out, acc_out,
+        T, K, SPLIT_LEN, N_SPLITS, scaling, window,
+        M: tl.constexpr, M_PAD: tl.constexpr, R: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
+        HAS_OK: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    ):
+        bh = tl.program_id(0)
+        split = tl.program_id(1)
+        rows = tl.arange(0, M_PAD)
+        dims = tl.arange(0, D)
+        row_ok = rows < M
+        q = tl.load(q_ptr + bh * M * D + rows[:, None] * D + dims[None, :], mask=row_ok[:, None], other=0.0)
+        qpos = tl.load(qpos_ptr + rows % R, mask=row_ok, other=0)
+        m_i = tl.full([M_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([M_PAD], tl.float32)
+        acc = tl.zeros([M_PAD, D], tl.float32)
+        start = split * SPLIT_LEN
+        end = tl.minimum(start + SPLIT_LEN, K)
+        for t0 in range(start, end, BLOCK_T):
+            j = t0 + tl.arange(0, BLOCK_T)
+            j_ok = j < end
+            slot = tl.load(idx_ptr + bh * K + j, mask=j_ok, other=0)
+            k = tl.load(k_ptr + bh * T * D + slot[:, None] * D + dims[None, :], mask=j_ok[:, None], other=0.0)
+            logits = tl.dot(q, tl.trans(k)) * scaling
+            pos = tl.load(pos_ptr + bh * T + slot, mask=j_ok, other=0)
+            allowed = (pos[None, :] <= qpos[:, None]) & j_ok[None, :]
+            if HAS_WINDOW:
+                allowed = allowed & (pos[None, :] > qpos[:, None] - window)
+            allowed = allowed | ((pos[None, :] == qpos[:, None]) & j_ok[None, :])
+            if HAS_OK:  # after the self rule: padded index entries may repeat the current slot
+                ok = tl.load(ok_ptr + bh * K + j, mask=j_ok, other=0)
+                allowed = allowed & (ok[None, :] != 0)
+            logits = tl.where(allowed, logits, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(logits, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(logits - m_safe[:, None])
+            corr = tl.exp(m_i - m_safe)
+            l_i = l_i * corr + tl.sum(p, 1)
+            v = tl.load(v_ptr + bh * T * D + slot[:, None] * D + dims[None, :], mask=j_ok[:, None], other=0.0)
+            acc = acc * corr[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        out = (bh * N_SPLITS + split) * M_PAD
+        tl.store(m_out + out + rows, m_i)
+        tl.store(l_out + out + rows, l_i)
+        tl.store(acc_out + (out + rows[:, None]) * D + dims[None, :], acc)
+
+
+def sparse_attention_triton(query, keys, values, indices, index_valid, key_positions, query_positions, scaling,
+                            sliding_window=None, softcap=None, block_t: int = 64, target_programs: int = 512):
+    from .online_softmax import finish, merge_splits
+
+    if softcap is not None:
+        raise ValueError("softcap is not supported by the Triton sparse kernel; use the reference")
+    assert available()
+    batch, hq, rows, dim = query.shape
+    hkv, length = keys.shape[1], keys.shape[2]
+    g = hq // hkv
+    m_rows = g * rows
+    m_pad = max(16, triton.next_power_of_2(m_rows))
+    n_idx = indices.shape[-1]
+    splits = max(1, min(triton.cdiv(n_idx, block_t), triton.cdiv(target_programs, batch * hkv)))
+    split_len = triton.cdiv(triton.cdiv(n_idx, splits), block_t) * block_t
+    splits = triton.cdiv(n_idx, split_len)
+    dev = query.device
+    m_part = torch.empty(batch * hkv, splits, m_pad, device=dev, dtype=torch.float32)
+    l_part = torch.empty_like(m_part)
+    acc_part = torch.empty(batch * hkv, splits, m_pad, dim, device=dev, dtype=torch.float32)
+    idx = indices.to(torch.int32).contiguous()
+    ok = idx if index_valid is None else index_valid.to(torch.int8).contiguous()
+    _sparse_attn_kernel[(batch * hkv, splits)](
+        query.reshape(batch * hkv, m_rows, dim).contiguous(), keys.contiguous(), values.contiguous(), idx, ok,
+        key_positions.to(torch.int32).contiguous(), query_positions.to(torch.int32).contiguous(),
+        m_part, l_part, acc_part, length, n_idx, split_len, splits, float(scaling), int(sliding_window or 0),
+        M=m_rows, M_PAD=m_pad, R=rows, D=dim, BLOCK_T=block_t, HAS_OK=index_valid is not None,
+        HAS_WINDOW=sliding_window is not None,
+    )
+    return finish(merge_splits(m_part, l_part, acc_part, (batch, hkv, g, rows), dim), query)

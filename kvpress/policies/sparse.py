@@ -1,0 +1,185 @@
+"""Sparse reads: nothing is evicted; at each decode step attention reads a selected subset of the stored slots.
+
+A read policy implements `select(ctx) -> (indices [B, Hkv, K], valid [B, Hkv, K])` (slot numbers, ragged
+counts padded with invalid entries). Used on its own (`patch_model(model, "quest", budget=512)`: decode and
+verification steps read the selection) and as the cheap view that drafts in self-speculative decoding.
+Selections always include the slots of the current query tokens. Per-page key statistics live in the
+cache layer (`layer.aux`), extended as tokens arrive and cut back on rollback.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from .base import Context, Policy
+from .registry import register
+
+
+class PageStats:
+    """Per-page elementwise max / min / mean of the stored keys (real slots only), page_size slots a page.
+    Complete pages are computed once; the partial last page is recomputed on every read."""
+
+    def __init__(self, page_size: int):
+        self.page_size = page_size
+        self.complete = 0  # pages whose statistics are final
+        self.kmax = self.kmin = self.kmean = None
+
+    def truncate(self, n_slots: int) -> None:
+        self.complete = min(self.complete, n_slots // self.page_size)
+
+    def update(self, layer) -> "PageStats":
+        P = self.page_size
+        total = layer.stored
+        n_pages = (total + P - 1) // P
+        start = self.complete * P
+        keys = layer.keys[:, :, start:].float()
+        valid = layer.key_valid()[..., start:]
+        pad = (n_pages - self.complete) * P - keys.shape[2]
+        keys = torch.nn.functional.pad(keys, (0, 0, 0, pad))
+        valid = torch.nn.functional.pad(valid, (0, pad))
+        b, h = keys.shape[:2]
+        k = keys.view(b, h, -1, P, keys.shape[-1])
+        v = valid.view(b, h, -1, P, 1)
+        new_max = k.masked_fill(~v, float("-inf")).amax(3)
+        new_min = k.masked_fill(~v, float("inf")).amin(3)
+        new_mean = (k * v).sum(3) / v.sum(3).clamp(min=1)
+        keep = slice(0, self.complete)
+        cat = (lambda old, new: new if old is None else torch.cat([old[:, :, keep], new], 2))
+        self.kmax, self.kmin, self.kmean = cat(self.kmax, new_max), cat(self.kmin, new_min), cat(self.kmean, new_mean)
+        self.complete = total // P
+        return self
+
+
+def page_stats(layer, page_size: int) -> PageStats:
+    stats = layer.aux.get(("pages", page_size))
+    if stats is None:
+        stats = layer.aux[("pages", page_size)] = PageStats(page_size)
+    return stats.update(layer)
+
+
+def _pages_to_slots(pages: torch.Tensor, page_size: int, n_slots: int):
+    slots = (pages[..., None] * page_size + torch.arange(page_size, device=pages.device)).flatten(-2)
+    valid = slots < n_slots
+    return slots.clamp(max=n_slots - 1), valid
+
+
+def _query_rows(ctx: Context) -> torch.Tensor:
+    """[B, Hkv, g*r, D]: this step's query rows grouped under their KV head."""
+    b, hq, r, d = ctx.query.shape
+    return ctx.query.reshape(b, hq // ctx.group_size, ctx.group_size * r, d).float()
+
+
+@dataclass
+class ReadPolicy(Policy):
+    budget: int = 512
+    selects: ClassVar[bool] = True
+
+    def validate(self) -> None:
+        if not isinstance(self.budget, int) or self.budget < 1:
+            raise ValueError(f"{self.name}: budget={self.budget!r}; allowed values: an int >= 1")
+
+    def select(self, ctx: Context):
+        raise NotImplementedError
+
+
+@register
+@dataclass
+class Quest(ReadPolicy):
+    """Quest (Tang et al. 2024): pages of `page_size` slots with elementwise min/max keys; a page's score is
+    sum_d max(q_d M_d, q_d m_d), an upper bound of q.k for every key in it. Per KV head (max over its query
+    heads and rows), the top budget/page_size pages are read; the current page always is."""
+
+    name = "quest"
+    budget: int = 512
+    page_size: int = 16
+
+    def validate(self) -> None:
+        super().validate()
+        if not isinstance(self.page_size, int) or self.page_size < 1:
+            raise ValueError(f"quest: page_size={self.page_size!r}; allowed values: an int >= 1")
+
+    def select(self, ctx: Context):
+        stats = page_stats(ctx.layer, self.page_size)
+        q = _query_rows(ctx)  # [B, Hkv, M, D]
+        bound = torch.maximum(q[:, :, :, None] * stats.kmax[:, :, None], q[:, :, :, None] * stats.kmin[:, :, None])
+        score = bound.nan_to_num(neginf=-1e30).sum(-1).amax(2)  # [B, Hkv, n_pages]
+        first_current = (ctx.layer.stored - ctx.q_len) // self.page_size
+        score[..., first_current:] = float("inf")
+        n = min(score.shape[-1], max(1, self.budget // self.page_size))
+        pages = score.topk(n, dim=-1).indices.sort(-1).values
+        return _pages_to_slots(pages, self.page_size, ctx.layer.stored)
+
+
+@register
+@dataclass
+class Retrieval(ReadPolicy):
+    """TriForce-style retrieval: chunks of `chunk_size` (8) slots scored by q . mean key of the chunk (max over
+    the KV head's query heads and rows); the first chunk (sinks) and the chunks holding the last `recent`
+    slots are always read; the best other chunks fill the budget (default 4096 tokens)."""
+
+    name = "retrieval"
+    budget: int = 4096
+    chunk_size: int = 8
+    recent: int = 64
+
+    def validate(self) -> None:
+        super().validate()
+        if not isinstance(self.chunk_size, int) or self.chunk_size < 1:
+            raise ValueError(f"retrieval: chunk_size={self.chunk_size!r}; allowed values: an int >= 1")
+
+    def select(self, ctx: Context):
+        c = self.chunk_size
+        stats = page_stats(ctx.layer, c)
+        score = torch.einsum("bhmd,bhnd->bhmn", _query_rows(ctx), stats.kmean).amax(2)  # [B, Hkv, n_chunks]
+        score[..., 0] = float("inf")
+        score[..., max(0, (ctx.layer.stored - max(self.recent, ctx.q_len)) // c):] = float("inf")
+        n = min(score.shape[-1], max(1, self.budget // c))
+        chunks = score.topk(n, dim=-1).indices.sort(-1).values
+        return _pages_to_slots(chunks, c, ctx.layer.stored)
+
+
+@register
+@dataclass
+class TopK(ReadPolicy):
+    """Exact top-`budget` slots by q . k per KV head (max over its query heads and rows): the oracle that
+    page/chunk selection approximates. Scores every key, so it saves no reading; a quality baseline."""
+
+    name = "topk"
+
+    def select(self, ctx: Context):
+        logits = ctx.key_logits(ctx.query)  # [B, Hkv, g, r, T]
+        score = logits.amax(2).amax(2).masked_fill(~ctx.layer.key_valid(), float("-inf"))
+        score[..., ctx.layer.stored - ctx.q_len:] = float("inf")
+        n = min(score.shape[-1], self.budget)
+        idx = score.topk(n, dim=-1).indices.sort(-1).values
+        return idx, torch.ones_like(idx, dtype=torch.bool)
+
+
+@register
+@dataclass
+class SinkWindow(ReadPolicy):
+    """Reads `n_sink` first slots + the newest (budget - n_sink): the StreamingLLM view (MagicDec's draft),
+    at original positions."""
+
+    name = "sink_window"
+    n_sink: int = 4
+
+    def validate(self) -> None:
+        super().validate()
+        if self.budget <= self.n_sink:
+            raise ValueError(f"sink_window: budget={self.budget} must exceed n_sink={self.n_sink}; "
+                             f"allowed values: budget > n_sink")
+
+    def select(self, ctx: Context):
+        total = ctx.layer.stored
+        window = max(self.budget - self.n_sink, ctx.q_len)
+        if total <= self.n_sink + window:
+            idx = torch.arange(total, device=ctx.keys.device)
+        else:
+            idx = torch.cat([torch.arange(self.n_sink, device=ctx.keys.device),
+                             torch.arange(total - window, total, device=ctx.keys.device)])
+        idx = idx.expand(*ctx.keys.shape[:2], -1)
+        return idx, torch.ones_like(idx, dtype=torch.bool)

@@ -1,0 +1,211 @@
+"""Self-speculative decoding on one compressed cache.
+
+Each round: the model drafts gamma tokens while every kvpress layer reads only a cheap view of the cache
+(sinks + window, retrieved chunks, Quest pages, top-k); the draft's own KV is then rolled back with crop
+(the verifier must never attend to draft KV), and one forward over [last token, drafts] with the full view
+verifies them. Greedy: accept while the draft equals the target's argmax. Sampling: the standard rule
+(accept d with prob min(1, p(d)/q(d)), else sample the residual max(0, p - q)), lossless in distribution;
+p and q are the final sampling distributions (temperature, then top-p). No second model, cache or prefill.
+
+Batches: every row commits the same number of tokens per round, the smallest accepted prefix + 1; a row that
+accepted more emits its next accepted draft as that last token, which is a valid sample, so each row stays
+exactly lossless.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+
+import torch
+
+from ..cache import KVPressCache
+from ..integrations.hf import _PATCHES, patch_model
+from ..policies import Quest, ReadPolicy, Retrieval, SinkWindow, TopK
+
+DRAFTS = {"streaming_llm": SinkWindow, "retrieval": Retrieval, "quest": Quest, "topk": TopK}
+
+
+@dataclass
+class SpeculativeStats:
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    emitted: int = 0
+    per_round_accepted: list = field(default_factory=list)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / max(1, self.drafted)
+
+    @property
+    def tokens_per_round(self) -> float:
+        return self.emitted / max(1, self.rounds)
+
+
+def _distribution(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """Sampling distribution after temperature and top-p (transformers' conventions), fp32."""
+    logits = logits.float() / temperature
+    if top_p < 1.0:
+        sorted_logits, order = logits.sort(-1)
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        remove = cumulative <= 1 - top_p
+        remove[..., -1] = False
+        logits = logits.masked_fill(remove.scatter(-1, order, remove), float("-inf"))
+    return logits.softmax(-1)
+
+
+def accept(p: torch.Tensor, q: torch.Tensor | None, drafts: torch.Tensor, generator=None):
+    """Acceptance for one round. p [B, g+1, V] target distributions (or logits when q is None: greedy);
+    q [B, g, V] draft distributions; drafts [B, g]. Returns (n accepted [B], next token [B]): the correction
+    at the first rejection, or the bonus token when all g are accepted."""
+    batch, g = drafts.shape
+    rows = torch.arange(batch, device=drafts.device)
+    if q is None:  # greedy: p holds target logits
+        target = p.argmax(-1)  # [B, g+1]
+        ok = drafts == target[:, :g]
+        n = ok.long().cumprod(-1).sum(-1)
+        return n, target[rows, n]
+    p_d = p[:, :g].gather(-1, drafts[..., None]).squeeze(-1)
+    q_d = q.gather(-1, drafts[..., None]).squeeze(-1)
+    u = torch.rand(batch, g, generator=generator, device=p.device)
+    n = (u * q_d <= p_d).long().cumprod(-1).sum(-1)
+    at = n.clamp(max=g - 1) if g else n
+    residual = (p[rows, at] - q[rows, at]).clamp(min=0) if g else p[:, 0]
+    mass = residual.sum(-1, keepdim=True)
+    residual = torch.where(mass > 0, residual / mass.clamp(min=1e-30), p[rows, at])  # p == q: never rejects
+    final = torch.where((n == g)[:, None], p[:, g], residual)
+    return n, torch.multinomial(final, 1, generator=generator).squeeze(-1)
+
+
+def _check(draft, gamma, max_new_tokens, do_sample, temperature, top_p):
+    if isinstance(draft, str) and draft not in DRAFTS:
+        raise ValueError(f"draft={draft!r} is unknown; allowed values: {sorted(DRAFTS)} or a ReadPolicy instance")
+    if not isinstance(draft, (str, ReadPolicy)):
+        raise ValueError(f"draft={draft!r}; allowed values: {sorted(DRAFTS)} or a ReadPolicy instance")
+    if not isinstance(gamma, int) or gamma < 1:
+        raise ValueError(f"gamma={gamma!r}; allowed values: an int >= 1")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens!r}; allowed values: an int >= 1")
+    if do_sample and not temperature > 0:
+        raise ValueError(f"temperature={temperature!r}; allowed values: a float > 0")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p={top_p!r}; allowed values: a float in (0, 1]")
+
+
+@torch.no_grad()
+def speculative_generate(model, input_ids, attention_mask=None, *, draft="streaming_llm", gamma: int = 4,
+                         max_new_tokens: int = 64, do_sample: bool = False, temperature: float = 1.0,
+                         top_p: float = 1.0, draft_budget: int | None = None, eos_token_id=None,
+                         pad_token_id=None, generator=None, return_stats: bool = False, **draft_params):
+    """Generate with the model drafting for itself from a cheap view of its own KVPressCache.
+
+    draft: "streaming_llm" (sinks + window), "retrieval" (TriForce chunks), "quest" (pages), "topk", or a
+    ReadPolicy. draft_budget: tokens the draft reads (default 10% of the shortest prompt, at least 64).
+    Returns the ids [B, prompt + new] like `generate` (and SpeculativeStats with return_stats=True)."""
+    _check(draft, gamma, max_new_tokens, do_sample, temperature, top_p)
+    batch, prompt_len = input_ids.shape
+    mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+    context = int(mask.sum(-1).min())
+    if isinstance(draft, str):
+        budget = draft_budget if draft_budget is not None else max(64, context // 10)
+        if budget > context:
+            raise ValueError(f"draft_budget={budget} is larger than the context ({context} tokens); allowed "
+                             f"values: 1 <= draft_budget <= {context}")
+        view = DRAFTS[draft](budget=budget, **draft_params)
+    else:
+        view = draft
+    existing = _PATCHES.get(model)
+    if existing is not None and (getattr(existing.policy, "evicts_during_decode", False) or existing.policy.selects):
+        raise ValueError(f"model is patched with {existing.policy.name!r}, which changes decode steps; allowed: an "
+                         f"unpatched model, or a policy that only acts at prefill (e.g. none, snapkv, kivi)")
+    patch = None if existing is not None else patch_model(model, "none")
+    try:
+        return _loop(model, input_ids, mask, view, gamma, max_new_tokens, do_sample, temperature, top_p,
+                     eos_token_id, pad_token_id, generator, return_stats)
+    finally:
+        if patch is not None:
+            patch.unpatch()
+
+
+def _loop(model, input_ids, prompt_mask, view, gamma, max_new_tokens, do_sample, temperature, top_p,
+          eos_token_id, pad_token_id, generator, return_stats):
+    batch, prompt_len = input_ids.shape
+    cache = KVPressCache(model.config)
+    eos = torch.tensor([] if eos_token_id is None else
+                       (eos_token_id if isinstance(eos_token_id, (list, tuple)) else [eos_token_id]))
+    pad = pad_token_id if pad_token_id is not None else (int(eos[0]) if len(eos) else 0)
+
+    def forward(tokens):
+        q = tokens.shape[1]
+        grown = cache.get_seq_length() + q - prompt_len
+        mask = torch.cat([prompt_mask, prompt_mask.new_ones(batch, grown)], 1)
+        positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)[:, -q:]
+        return model(tokens, attention_mask=mask, position_ids=positions, past_key_values=cache).logits
+
+    def pick(logits):
+        if not do_sample:
+            return logits.argmax(-1), None
+        probs = _distribution(logits, temperature, top_p)
+        return torch.multinomial(probs, 1, generator=generator).squeeze(-1), probs
+
+    stats = SpeculativeStats()
+    token, _ = pick(forward(input_ids)[:, -1])
+    out = [token[:, None]]
+    finished = torch.isin(token, eos)
+    produced = 1
+    while produced < max_new_tokens and not bool(finished.all()):
+        g = min(gamma, max_new_tokens - produced - 1)
+        last = out[-1][:, -1:]
+        drafts, q_probs = [], []
+        cache.read_view = view
+        try:
+            current = last
+            for _ in range(g):
+                d, q = pick(forward(current)[:, -1])
+                drafts.append(d)
+                q_probs.append(q)
+                current = d[:, None]
+        finally:
+            cache.read_view = None
+        if g:
+            cache.crop(-g)  # the draft's KV of `last`, d_1..d_{g-1}: the verifier recomputes it exactly
+        d = torch.stack(drafts, 1) if g else last.new_zeros(batch, 0)
+        logits = forward(torch.cat([last, d], 1))  # [B, g+1, V], full view
+        if do_sample:
+            n, nxt = accept(_distribution(logits, temperature, top_p), torch.stack(q_probs, 1) if g else
+                            logits.new_zeros(batch, 0, logits.shape[-1]), d, generator)
+        else:
+            n, nxt = accept(logits, None, d)
+        k = int(n.min())
+        tail = nxt if k == g else torch.where(n == k, nxt, d[:, k])
+        emitted = torch.cat([d[:, :k], tail[:, None]], 1)  # k + 1 tokens for every row
+        cache.crop(-(g - k))  # keep `last` and d_1..d_k, whose KV the verifier just wrote
+        # rows that already produced EOS emit padding, as generate does
+        done_before = finished[:, None].expand_as(emitted).clone()
+        hit = torch.isin(emitted, eos)
+        after_eos = (hit.long().cumsum(1) - hit.long()) > 0
+        emitted = emitted.masked_fill(done_before | after_eos, pad)
+        finished = finished | hit.any(1)
+        out.append(emitted)
+        produced += k + 1
+        stats.rounds += 1
+        stats.drafted += g * batch
+        stats.accepted += int(n.sum())
+        stats.emitted += k + 1
+        stats.per_round_accepted.append(n.tolist())
+    result = torch.cat([input_ids, torch.cat(out, 1)[:, :max_new_tokens]], 1)
+    return (result, stats) if return_stats else result
+
+
+def custom_generate(model, input_ids, logits_processor=None, stopping_criteria=None, generation_config=None,
+                    draft="streaming_llm", gamma=4, draft_budget=None, **model_kwargs):
+    """`model.generate(..., custom_generate=kvpress.speculative.custom_generate, draft=..., gamma=...)`.
+    Uses the generation config's max length, sampling, temperature, top-p, EOS and pad tokens."""
+    config = generation_config
+    return speculative_generate(
+        model, input_ids, model_kwargs.get("attention_mask"), draft=draft, gamma=gamma,
+        max_new_tokens=config.max_length - input_ids.shape[1], do_sample=bool(config.do_sample),
+        temperature=config.temperature or 1.0, top_p=config.top_p or 1.0, draft_budget=draft_budget,
+        eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id,
+    )
