@@ -1,0 +1,223 @@
+"""Sparse reads and self-speculative decoding: losslessness, sampling correctness, rollback, kernels."""
+
+import pytest
+import torch
+
+import kvpress
+from kvpress import KVPressCache
+from kvpress.kernels import allowed_mask
+from kvpress.kernels.sparse_attention import sparse_attention_reference
+from kvpress.kernels.triton_sparse import sparse_attention_triton
+from kvpress.policies import Quest
+from kvpress.speculative import DRAFTS, accept, custom_generate, speculative_generate
+
+from conftest import tiny_model
+
+KINDS = sorted(DRAFTS)
+
+
+def plain(model, ids, mask, n):
+    return model.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False)
+
+
+def left_padded_pair(seed=0):
+    torch.manual_seed(seed)
+    ids = torch.randint(3, 128, (2, 70))
+    mask = torch.ones_like(ids)
+    mask[1, :17] = 0
+    ids[1, :17] = 0
+    return ids, mask
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("draft", KINDS)
+def test_greedy_speculative_equals_greedy_plain(arch, draft):
+    model = tiny_model(arch)
+    ids1 = torch.randint(3, 128, (1, 70))
+    cases = [(ids1, torch.ones_like(ids1)), left_padded_pair()]
+    for ids, mask in cases:
+        ref = plain(model, ids, mask, 24)
+        for gamma in (1, 3, 5):
+            out = speculative_generate(model, ids, mask, draft=draft, gamma=gamma, max_new_tokens=24, draft_budget=16,
+                                       eos_token_id=model.generation_config.eos_token_id,
+                                       pad_token_id=model.generation_config.pad_token_id)
+            assert out.tolist() == ref.tolist(), (draft, gamma, ids.shape[0])
+
+
+def test_custom_generate_entry_point_and_patched_prefill_policy():
+    model = tiny_model("llama")
+    ids = torch.randint(3, 128, (1, 60))
+    ref = plain(model, ids, torch.ones_like(ids), 20)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False,
+                         custom_generate=custom_generate, draft="quest", gamma=3, draft_budget=16)
+    assert out.tolist() == ref.tolist()
+    # speculation over a SnapKV-compressed cache equals plain greedy over the same compressed cache
+    with kvpress.patch_model(model, "snapkv", compression_ratio=0.5, window_size=4):
+        ref = plain(model, ids, torch.ones_like(ids), 20)
+        out = speculative_generate(model, ids, draft="streaming_llm", gamma=4, max_new_tokens=20, draft_budget=12)
+    assert out.tolist() == ref.tolist()
+
+
+def test_rollback_leaves_the_cache_as_if_rejected_tokens_never_came():
+    model = tiny_model("llama")
+    prompt, x, drafts = torch.randint(3, 128, (1, 40)), torch.tensor([[5]]), torch.tensor([[7, 8, 9]])
+    with kvpress.patch_model(model, "none"):
+        spec = KVPressCache(model.config)
+        model(prompt, past_key_values=spec)
+        spec.read_view = DRAFTS["retrieval"](budget=8, chunk_size=4, recent=4)
+        for token in [x, drafts[:, :1], drafts[:, 1:2]]:  # draft steps write draft KV ...
+            model(token, past_key_values=spec)
+        spec.read_view = None
+        spec.crop(-3)  # ... which is rolled back before verification
+        model(torch.cat([x, drafts], 1), past_key_values=spec)  # verify 1 + 3
+        spec.crop(-2)  # one draft accepted: keep x, d1
+        fresh = KVPressCache(model.config)
+        model(torch.cat([prompt, x, drafts[:, :1]], 1), past_key_values=fresh)
+    for a, b in zip(spec.layers, fresh.layers):
+        assert a.seen == b.seen == 42 and a.stored == b.stored == 42
+        assert torch.equal(a.key_positions(), b.key_positions())
+        torch.testing.assert_close(a.keys, b.keys, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(a.values, b.values, atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------- sampling
+def _emitted(p, q, n_draws, generator):
+    """Token emitted at the first position by one round with g=1 (accepted draft, or the correction)."""
+    P, Q = p.expand(n_draws, 2, -1), q.expand(n_draws, 1, -1)
+    d = torch.multinomial(Q[:, 0], 1, generator=generator)
+    n, nxt = accept(P, Q, d, generator)
+    return torch.where(n == 1, d[:, 0], nxt)
+
+
+@pytest.mark.parametrize("case", ["random", "equal", "q_misses_support", "top_p"])
+def test_acceptance_rule_reproduces_the_target_distribution(case):
+    gen = torch.Generator().manual_seed(0)
+    V, N = 8, 400_000
+    p = torch.rand(V, generator=gen) ** 3
+    q = torch.rand(V, generator=gen) ** 3
+    if case == "equal":
+        q = p.clone()
+    if case == "q_misses_support":
+        q[:3] = 0
+    p, q = p / p.sum(), q / q.sum()
+    if case == "top_p":
+        from kvpress.speculative.generate import _distribution
+
+        p = _distribution(torch.log(p), 1.0, 0.7)
+        q = _distribution(torch.log(q), 1.0, 0.7)
+    p2 = torch.stack([p, p])[None]  # position 1 and bonus
+    tokens = _emitted(p2, q[None, None], N, gen)
+    empirical = torch.bincount(tokens, minlength=V).float() / N
+    sigma = (p * (1 - p) / N).sqrt()
+    assert ((empirical - p).abs() <= 4 * sigma + 1e-6).all(), (empirical, p)
+    assert torch.allclose(torch.minimum(p, q) + (p - q).clamp(min=0), p)  # the closed form
+
+
+def test_speculative_sampling_matches_plain_sampling_in_distribution():
+    """20k rows of one prompt on a small-vocabulary model: tokens 2 and 3 (produced by speculative rounds,
+    drafting from a 4-token view) are distributed like plain sampling's."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=12, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, pad_token_id=0, bos_token_id=1,
+                         eos_token_id=None)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8)  # sharper distributions, so the draft's differ visibly from the target's
+    rows = 20_000
+    ids = torch.randint(2, 12, (1, 24)).expand(rows, -1)
+    kw = dict(temperature=0.9, top_p=0.95)
+    torch.manual_seed(1)
+    ref = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, max_new_tokens=3, **kw)
+    out, stats = speculative_generate(model, ids, draft="streaming_llm", gamma=2, max_new_tokens=3, do_sample=True,
+                                      draft_budget=4, n_sink=1, generator=torch.Generator().manual_seed(2),
+                                      return_stats=True, **kw)
+    assert 0.05 < stats.acceptance_rate < 0.97  # the draft really differs from the target
+    for col in (25, 26):
+        a = torch.bincount(ref[:, col], minlength=12).float() / rows
+        b = torch.bincount(out[:, col], minlength=12).float() / rows
+        assert 0.5 * (a - b).abs().sum() < 0.03, (col, a, b)
+
+
+# ---------------------------------------------------------------------------- kernels and selection
+@pytest.mark.parametrize("B,HKV,G,R,T,K", [(1, 1, 1, 1, 40, 12), (2, 2, 4, 1, 90, 33), (1, 2, 3, 3, 64, 40)])
+def test_sparse_gather_attention_equals_dense_restricted(B, HKV, G, R, T, K):
+    torch.manual_seed(T)
+    D = 32
+    keys, values = torch.randn(B, HKV, T, D), torch.randn(B, HKV, T, D)
+    positions = torch.arange(T).expand(B, HKV, T)
+    idx = torch.stack([torch.randperm(T - R)[:K - R] for _ in range(B * HKV)]).view(B, HKV, -1)
+    idx = torch.cat([idx, torch.arange(T - R, T).expand(B, HKV, R)], -1)  # the query's own slots
+    ok = torch.rand(B, HKV, K) > 0.3  # ragged: some entries are padding
+    ok[..., -R:] = True
+    q, qpos = torch.randn(B, HKV * G, R, D), torch.arange(T - R, T)
+    chosen = torch.zeros(B, HKV, T, dtype=torch.bool).scatter(-1, idx, ok)
+    allowed = allowed_mask(qpos, positions, chosen).repeat_interleave(G, 1)
+    dense = torch.nn.functional.scaled_dot_product_attention(
+        q, keys.repeat_interleave(G, 1), values.repeat_interleave(G, 1), attn_mask=allowed, scale=D ** -0.5)
+    torch.testing.assert_close(sparse_attention_reference(q, keys, values, idx, ok, positions, qpos, D ** -0.5,
+                                                          block=7), dense, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(sparse_attention_triton(q, keys, values, idx, ok, positions, qpos, D ** -0.5,
+                                                       block_t=16, target_programs=4), dense, atol=1e-5, rtol=1e-5)
+
+
+def test_quest_page_score_bounds_every_key_in_the_page():
+    from kvpress.policies.sparse import page_stats
+    from kvpress import KVPressLayer
+
+    torch.manual_seed(0)
+    for _ in range(20):
+        layer = KVPressLayer()
+        layer.update(torch.randn(1, 2, 70, 16) * 3, torch.randn(1, 2, 70, 16))
+        stats = page_stats(layer, 16)
+        q = torch.randn(1, 2, 1, 16)
+        bound = torch.maximum(q * stats.kmax, q * stats.kmin).sum(-1)  # [1, 2, 5]
+        dots = (layer.keys * q).sum(-1)  # [1, 2, 70]
+        padded = torch.nn.functional.pad(dots, (0, 80 - 70), value=float("-inf")).view(1, 2, 5, 16)
+        assert (bound >= padded.amax(-1) - 1e-4).all()
+
+
+def test_page_stats_follow_appends_and_rollback():
+    from kvpress.policies.sparse import page_stats
+    from kvpress import KVPressLayer
+
+    layer = KVPressLayer()
+    layer.update(torch.randn(1, 1, 37, 8), torch.randn(1, 1, 37, 8))
+    page_stats(layer, 8)
+    layer.update(torch.randn(1, 1, 9, 8), torch.randn(1, 1, 9, 8))
+    layer.crop(-5)
+    stats = page_stats(layer, 8)
+    fresh = KVPressLayer()
+    fresh.update(layer.keys.clone(), layer.values.clone())
+    ref = page_stats(fresh, 8)
+    assert torch.equal(stats.kmax, ref.kmax) and torch.equal(stats.kmin, ref.kmin)
+
+
+# ---------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(gamma=0), r"gamma=0; allowed values: an int >= 1"),
+    (dict(draft="medusa"), r"draft='medusa' is unknown; allowed values: \['quest', 'retrieval', 'streaming_llm', 'topk'\]"),
+    (dict(draft_budget=500), r"draft_budget=500 is larger than the context \(40 tokens\)"),
+    (dict(do_sample=True, temperature=0.0), r"temperature=0.0; allowed values"),
+])
+def test_bad_speculative_arguments(kwargs, match):
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match=match):
+        speculative_generate(model, torch.randint(3, 128, (1, 40)), **kwargs)
+    assert model.config._attn_implementation == "sdpa"
+
+
+# ---------------------------------------------------------------------------- real model
+@pytest.mark.real_model
+def test_smollm2_greedy_speculation_is_lossless_for_every_draft(smollm2):
+    model, tok = smollm2
+    text = "Summarise the following notes. " + " ".join(f"Note {i}: the shipment of item {i * 7} arrived late." for i in range(40))
+    ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                  return_tensors="pt", return_dict=True)["input_ids"]
+    ref = plain(model, ids, torch.ones_like(ids), 16)
+    for draft in KINDS:
+        for gamma in (1, 3, 5):
+            out = speculative_generate(model, ids, draft=draft, gamma=gamma, max_new_tokens=16, draft_budget=64,
+                                       eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+            assert out.tolist() == ref.tolist(), (draft, gamma)
