@@ -13,7 +13,7 @@ from kvpress.speculative import DRAFTS, accept, custom_generate, speculative_gen
 
 from conftest import tiny_model
 
-KINDS = sorted(DRAFTS)
+KINDS = sorted(set(DRAFTS) - {"quant4"})  # read-subset drafts; quant4 (a precision view) is tested apart
 
 
 def plain(model, ids, mask, n):
@@ -42,6 +42,24 @@ def test_greedy_speculative_equals_greedy_plain(arch, draft):
                                        eos_token_id=model.generation_config.eos_token_id,
                                        pad_token_id=model.generation_config.pad_token_id)
             assert out.tolist() == ref.tolist(), (draft, gamma, ids.shape[0])
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_quant4_draft_is_lossless_against_the_8bit_kv_model(arch):
+    """QuantSpec-style: the draft reads the upper 4 bits of the 8-bit codes the target reads in full; the
+    reference is plain greedy decoding over the same 8-bit KIVI cache."""
+    model = tiny_model(arch)
+    ids1 = torch.randint(3, 128, (1, 70))
+    codec = dict(group_size=16, residual_length=16)
+    for ids, mask in [(ids1, torch.ones_like(ids1)), left_padded_pair(1)]:
+        with kvpress.patch_model(model, "kivi", bits=8, **codec):
+            ref = plain(model, ids, mask, 12)  # short enough that no group is flushed while generating
+            for gamma in (1, 3, 5):
+                out, stats = speculative_generate(model, ids, mask, draft="quant4", gamma=gamma, max_new_tokens=12,
+                                                  return_stats=True)
+                assert out.tolist() == ref.tolist(), gamma
+        out = speculative_generate(model, ids, mask, draft="quant4", gamma=3, max_new_tokens=12, **codec)
+        assert out.tolist() == ref.tolist()  # unpatched model: patched with 8-bit KIVI for the call
 
 
 def test_custom_generate_entry_point_and_patched_prefill_policy():
@@ -197,7 +215,8 @@ def test_page_stats_follow_appends_and_rollback():
 # ---------------------------------------------------------------------------- bad input
 @pytest.mark.parametrize("kwargs,match", [
     (dict(gamma=0), r"gamma=0; allowed values: an int >= 1"),
-    (dict(draft="medusa"), r"draft='medusa' is unknown; allowed values: \['quest', 'retrieval', 'streaming_llm', 'topk'\]"),
+    (dict(draft="medusa"), r"draft='medusa' is unknown; allowed values: \['quant4', 'quest', 'retrieval', 'streaming_llm', 'topk'\]"),
+    (dict(draft="quant4", gamma=200), r"gamma=200 exceeds the full-precision residual"),
     (dict(draft_budget=500), r"draft_budget=500 is larger than the context \(40 tokens\)"),
     (dict(do_sample=True, temperature=0.0), r"temperature=0.0; allowed values"),
 ])
@@ -221,3 +240,8 @@ def test_smollm2_greedy_speculation_is_lossless_for_every_draft(smollm2):
             out = speculative_generate(model, ids, draft=draft, gamma=gamma, max_new_tokens=16, draft_budget=64,
                                        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
             assert out.tolist() == ref.tolist(), (draft, gamma)
+    with kvpress.patch_model(model, "kivi", bits=8, group_size=32, residual_length=32):
+        ref = plain(model, ids, torch.ones_like(ids), 16)
+        for gamma in (1, 3, 5):
+            out = speculative_generate(model, ids, draft="quant4", gamma=gamma, max_new_tokens=16)
+            assert out.tolist() == ref.tolist(), ("quant4", gamma)

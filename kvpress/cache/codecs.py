@@ -159,10 +159,20 @@ class QuantizedSegment:
                                 if isinstance(getattr(self, f.name), torch.Tensor)})
 
     # -- reading (block by block: never a full-precision copy of the whole segment)
-    def dequantize_keys(self, start: int, end: int) -> torch.Tensor:
+    def _codes(self, packed: torch.Tensor, precision: int | None) -> torch.Tensor:
+        """Unpacked codes as floats; precision=4 on an 8-bit segment reads only the upper nibble, placed at
+        the middle of its 16-code bucket (QuantSpec's INT4 draft view of the INT8 cache)."""
+        codes = unpack(packed, self.bits)
+        if precision is None or precision == self.bits:
+            return codes.float()
+        if self.bits != 8 or precision != 4:
+            raise ValueError(f"precision={precision}; allowed values: None, or 4 on an 8-bit segment")
+        return (codes >> 4).float() * 16 + 7.5
+
+    def dequantize_keys(self, start: int, end: int, precision: int | None = None) -> torch.Tensor:
         """fp32 keys [B, H, end-start, D] of a block of slots (GEAR terms included)."""
         dim = self.head_dim
-        codes = unpack(self.k_codes[:, :, start:end], self.bits).float()
+        codes = self._codes(self.k_codes[:, :, start:end], precision)
         if self.k_group is None:  # slots in group order: expand the block's group scales
             g = self.group_size
             sl = slice(start // g, (end + g - 1) // g)
@@ -183,10 +193,10 @@ class QuantizedSegment:
             k = k.scatter(-1, flat, self.k_out_val.float())[..., :-1].view(*k.shape[:2], end - start, dim)
         return k
 
-    def dequantize_values(self, start: int, end: int) -> torch.Tensor:
+    def dequantize_values(self, start: int, end: int, precision: int | None = None) -> torch.Tensor:
         """fp32 values [B, H, end-start, D] of a block of slots (GEAR terms included)."""
         per = self.head_dim // self.v_scale.shape[-1]
-        codes = unpack(self.v_codes[:, :, start:end], self.bits).float()
+        codes = self._codes(self.v_codes[:, :, start:end], precision)
         v = codes * self.v_scale[:, :, start:end].float().repeat_interleave(per, -1) \
             + self.v_min[:, :, start:end].float().repeat_interleave(per, -1)
         if self.v_lr is not None:
@@ -194,8 +204,8 @@ class QuantizedSegment:
             v = v.scatter(-1, self.v_out_idx[:, :, start:end].long(), self.v_out_val[:, :, start:end].float())
         return v
 
-    def dequantize(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.dequantize_keys(start, end), self.dequantize_values(start, end)
+    def dequantize(self, start: int, end: int, precision: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.dequantize_keys(start, end, precision), self.dequantize_values(start, end, precision)
 
     def _add_low_rank(self, x, start, end, lr, basis):
         chunk = self.chunk[:, :, start:end].long()

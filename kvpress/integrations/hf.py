@@ -65,7 +65,8 @@ def kvpress_attention(module, query, key, value, attention_mask, **kwargs):
     selector = cache.read_view
     if selector is None and patch.policy.selects and phase != "prefill":
         selector = patch.policy
-    if selector is not None and layer.quantized is None:
+    precision = getattr(selector, "read_precision", None)
+    if selector is not None and selector.selects and layer.quantized is None:
         indices, index_valid = selector.select(ctx)
         index_valid = index_valid & layer.key_valid().gather(-1, indices)
         out = sparse_attention(query, keys, layer.values, indices, index_valid, layer.key_positions(),
@@ -74,7 +75,8 @@ def kvpress_attention(module, query, key, value, attention_mask, **kwargs):
     elif layer.quantized is not None:
         # Older slots are low-bit: read the packed codes block by block, never a full-precision copy.
         out = quantized_attention(query, layer.quantized, layer.keys, layer.values, layer.key_positions(),
-                                  layer.valid, ctx.query_positions(), ctx.scaling, ctx.sliding_window, ctx.softcap)
+                                  layer.valid, ctx.query_positions(), ctx.scaling, ctx.sliding_window, ctx.softcap,
+                                  precision)
         out = (out.transpose(1, 2).contiguous(), None)
     elif layer.is_compacted:
         # Slot j no longer sits at position j: the HF mask does not describe this layer; build ours.

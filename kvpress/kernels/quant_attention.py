@@ -26,9 +26,11 @@ def quantized_attention_reference(
     scaling: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    precision: int | None = None,
     block: int = 1024,
 ) -> torch.Tensor:
-    """Torch reference: dequantizes one block of `block` slots at a time."""
+    """Torch reference: dequantizes one block of `block` slots at a time. precision=4 reads an 8-bit segment's
+    upper nibbles only (the draft view of self-speculation)."""
     batch, hq, rows, dim = query.shape
     hkv = residual_keys.shape[1]
     q = query.reshape(batch, hkv, hq // hkv, rows, dim).float()
@@ -37,7 +39,7 @@ def quantized_attention_reference(
     n_q = segment.num_slots
     for start in range(0, n_q, block):
         end = min(n_q, start + block)
-        keys, values = segment.dequantize(start, end)
+        keys, values = segment.dequantize(start, end, precision)
         state = block_update(state, q, keys, values, scaling, softcap, allowed[..., start:end])
     if residual_keys.shape[2]:
         state = block_update(state, q, residual_keys.float(), residual_values.float(), scaling, softcap,
@@ -46,13 +48,13 @@ def quantized_attention_reference(
 
 
 def quantized_attention(query, segment, residual_keys, residual_values, key_positions, key_valid,
-                        query_positions, scaling, sliding_window=None, softcap=None):
+                        query_positions, scaling, sliding_window=None, softcap=None, precision=None):
     """Dispatch: Triton on CUDA for plain KIVI segments (no GEAR terms, no soft-capping), else the reference."""
     from . import triton_quant
 
     if (query.is_cuda and triton_quant.available() and segment.k_lr is None and softcap is None):
         return triton_quant.quantized_attention_triton(
             query, segment, residual_keys, residual_values, key_positions, key_valid, query_positions, scaling,
-            sliding_window)
+            sliding_window, precision=precision)
     return quantized_attention_reference(query, segment, residual_keys, residual_values, key_positions, key_valid,
-                                         query_positions, scaling, sliding_window, softcap)
+                                         query_positions, scaling, sliding_window, softcap, precision)

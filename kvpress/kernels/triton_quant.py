@@ -33,7 +33,7 @@ if triton is not None:
         T_Q, T_ALL, N_GROUPS, SPLIT_LEN, N_SPLITS, scaling, window,
         M: tl.constexpr, M_PAD: tl.constexpr, R: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr,
         G: tl.constexpr, BLOCK_T: tl.constexpr, HAS_GROUP: tl.constexpr, HAS_VALID: tl.constexpr,
-        HAS_WINDOW: tl.constexpr,
+        HAS_WINDOW: tl.constexpr, UPPER4: tl.constexpr,
     ):
         bh = tl.program_id(0)
         split = tl.program_id(1)
@@ -62,6 +62,8 @@ if triton is not None:
             # keys: unpack codes, per-channel scale/min of each slot's group
             kbytes = tl.load(kc_ptr + bh * T_Q * DB + t[:, None] * DB + byte_of[None, :], mask=t_ok[:, None], other=0)
             kcode = ((kbytes >> shift[None, :]) & MASK).to(tl.float32)
+            if UPPER4:  # draft view of an 8-bit code: upper nibble, middle of its bucket
+                kcode = tl.floor(kcode / 16.0) * 16.0 + 7.5
             if HAS_GROUP:
                 gid = tl.load(kg_ptr + bh * T_Q + t, mask=t_ok, other=0)
             else:
@@ -91,6 +93,8 @@ if triton is not None:
             # values: unpack codes, per-slot scale/min of each channel group
             vbytes = tl.load(vc_ptr + bh * T_Q * DB + t[:, None] * DB + byte_of[None, :], mask=t_ok[:, None], other=0)
             vcode = ((vbytes >> shift[None, :]) & MASK).to(tl.float32)
+            if UPPER4:
+                vcode = tl.floor(vcode / 16.0) * 16.0 + 7.5
             voff = bh * T_Q * NGV + t[:, None] * NGV + (dims // G)[None, :]
             vscale = tl.load(vs_ptr + voff, mask=t_ok[:, None], other=0.0).to(tl.float32)
             vmin = tl.load(vm_ptr + voff, mask=t_ok[:, None], other=0.0).to(tl.float32)
@@ -105,13 +109,15 @@ if triton is not None:
 
 
 def quantized_attention_triton(query, segment, residual_keys, residual_values, key_positions, key_valid,
-                               query_positions, scaling, sliding_window=None, softcap=None,
+                               query_positions, scaling, sliding_window=None, softcap=None, precision=None,
                                block_t: int = 64, target_programs: int = 512):
     """Same signature and result as `quantized_attention_reference`."""
     from .online_softmax import block_update, finish, merge_splits
 
     if softcap is not None:
         raise ValueError("softcap is not supported by the Triton low-bit kernel; use the reference")
+    if precision not in (None, segment.bits) and not (segment.bits == 8 and precision == 4):
+        raise ValueError(f"precision={precision}; allowed values: None, or 4 on an 8-bit segment")
     batch, hq, rows, dim = query.shape
     hkv = residual_keys.shape[1]
     g = hq // hkv
@@ -140,6 +146,7 @@ def quantized_attention_triton(query, segment, residual_keys, residual_values, k
         int(sliding_window or 0),
         M=m_rows, M_PAD=m_pad, R=rows, D=dim, BITS=segment.bits, G=segment.group_size, BLOCK_T=block_t,
         HAS_GROUP=groups is not None, HAS_VALID=key_valid is not None, HAS_WINDOW=sliding_window is not None,
+        UPPER4=precision == 4 and segment.bits == 8,
     )
     # merge the splits, then the full-precision residual, in fp32
     state = merge_splits(m_part, l_part, acc_part, (batch, hkv, g, rows), dim)

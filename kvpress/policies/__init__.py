@@ -12,11 +12,11 @@ from .streaming_llm import StreamingLLM
 from .kivi import KIVI
 from .gear import GEAR
 from .compose import Composed
-from .sparse import Quest, ReadPolicy, Retrieval, SinkWindow, TopK
+from .sparse import Quant4View, Quest, ReadPolicy, Retrieval, SinkWindow, TopK
 
 __all__ = [
     "Policy", "BudgetPolicy", "ScorerPolicy", "Context", "select_kept",
     "register", "list_policies", "get_policy_class", "resolve_policy",
     "NoCompression", "Knorm", "RandomPolicy", "TOVA", "SnapKV", "H2O", "StreamingLLM",
-    "KIVI", "GEAR", "Composed", "ReadPolicy", "Quest", "Retrieval", "TopK", "SinkWindow",
+    "KIVI", "GEAR", "Composed", "ReadPolicy", "Quest", "Retrieval", "TopK", "SinkWindow", "Quant4View",
 ]

@@ -183,3 +183,13 @@ class SinkWindow(ReadPolicy):
                              torch.arange(total - window, total, device=ctx.keys.device)])
         idx = idx.expand(*ctx.keys.shape[:2], -1)
         return idx, torch.ones_like(idx, dtype=torch.bool)
+
+
+@register
+@dataclass
+class Quant4View(Policy):
+    """QuantSpec-style draft view: layers stored with 8-bit KIVI codes are read through the upper 4 bits of
+    each code (the same storage, half the information); the full-precision residual is read as is."""
+
+    name = "quant4_view"
+    read_precision: ClassVar[int] = 4

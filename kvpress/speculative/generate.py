@@ -21,9 +21,9 @@ import torch
 
 from ..cache import KVPressCache
 from ..integrations.hf import _PATCHES, patch_model
-from ..policies import Quest, ReadPolicy, Retrieval, SinkWindow, TopK
+from ..policies import KIVI, Quant4View, Quest, ReadPolicy, Retrieval, SinkWindow, TopK
 
-DRAFTS = {"streaming_llm": SinkWindow, "retrieval": Retrieval, "quest": Quest, "topk": TopK}
+DRAFTS = {"streaming_llm": SinkWindow, "retrieval": Retrieval, "quest": Quest, "topk": TopK, "quant4": Quant4View}
 
 
 @dataclass
@@ -81,7 +81,7 @@ def accept(p: torch.Tensor, q: torch.Tensor | None, drafts: torch.Tensor, genera
 def _check(draft, gamma, max_new_tokens, do_sample, temperature, top_p):
     if isinstance(draft, str) and draft not in DRAFTS:
         raise ValueError(f"draft={draft!r} is unknown; allowed values: {sorted(DRAFTS)} or a ReadPolicy instance")
-    if not isinstance(draft, (str, ReadPolicy)):
+    if not isinstance(draft, (str, ReadPolicy, Quant4View)):
         raise ValueError(f"draft={draft!r}; allowed values: {sorted(DRAFTS)} or a ReadPolicy instance")
     if not isinstance(gamma, int) or gamma < 1:
         raise ValueError(f"gamma={gamma!r}; allowed values: an int >= 1")
@@ -101,13 +101,31 @@ def speculative_generate(model, input_ids, attention_mask=None, *, draft="stream
     """Generate with the model drafting for itself from a cheap view of its own KVPressCache.
 
     draft: "streaming_llm" (sinks + window), "retrieval" (TriForce chunks), "quest" (pages), "topk", or a
-    ReadPolicy. draft_budget: tokens the draft reads (default 10% of the shortest prompt, at least 64).
+    ReadPolicy; draft_budget: tokens the draft reads (default 10% of the shortest prompt, at least 64).
+    draft="quant4": the cache is stored as 8-bit KIVI codes (the target reads them whole, so outputs equal the
+    8-bit-KV model's) and the draft reads their upper 4 bits; draft_params then configure KIVI.
     Returns the ids [B, prompt + new] like `generate` (and SpeculativeStats with return_stats=True)."""
     _check(draft, gamma, max_new_tokens, do_sample, temperature, top_p)
     batch, prompt_len = input_ids.shape
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
     context = int(mask.sum(-1).min())
-    if isinstance(draft, str):
+    existing = _PATCHES.get(model)
+    if existing is not None and (getattr(existing.policy, "evicts_during_decode", False) or existing.policy.selects):
+        raise ValueError(f"model is patched with {existing.policy.name!r}, which changes decode steps; allowed: an "
+                         f"unpatched model, or a policy that only acts at prefill (e.g. none, snapkv, kivi)")
+    target_policy = "none"
+    if draft == "quant4" or isinstance(draft, Quant4View):
+        # QuantSpec: the target reads 8-bit codes (the reference it is lossless to), the draft their upper 4 bits
+        view = Quant4View()
+        codec = getattr(existing.policy, "codec", existing.policy) if existing is not None else None
+        if existing is not None and not (isinstance(codec, KIVI) and codec.bits == 8):
+            raise ValueError("draft='quant4' reads the upper half of 8-bit codes; allowed: an unpatched model, or one "
+                             "patched with kivi bits=8")
+        if (codec.residual_length if codec is not None else KIVI().residual_length) < gamma:
+            raise ValueError(f"gamma={gamma} exceeds the full-precision residual, which must hold the drafts; "
+                             f"allowed values: gamma <= residual_length")
+        target_policy = KIVI(bits=8, **draft_params)
+    elif isinstance(draft, str):
         budget = draft_budget if draft_budget is not None else max(64, context // 10)
         if budget > context:
             raise ValueError(f"draft_budget={budget} is larger than the context ({context} tokens); allowed "
@@ -115,11 +133,7 @@ def speculative_generate(model, input_ids, attention_mask=None, *, draft="stream
         view = DRAFTS[draft](budget=budget, **draft_params)
     else:
         view = draft
-    existing = _PATCHES.get(model)
-    if existing is not None and (getattr(existing.policy, "evicts_during_decode", False) or existing.policy.selects):
-        raise ValueError(f"model is patched with {existing.policy.name!r}, which changes decode steps; allowed: an "
-                         f"unpatched model, or a policy that only acts at prefill (e.g. none, snapkv, kivi)")
-    patch = None if existing is not None else patch_model(model, "none")
+    patch = None if existing is not None else patch_model(model, target_policy)
     try:
         return _loop(model, input_ids, mask, view, gamma, max_new_tokens, do_sample, temperature, top_p,
                      eos_token_id, pad_token_id, generator, return_stats)
