@@ -185,11 +185,11 @@ class SinkWindow(ReadPolicy):
         return idx, torch.ones_like(idx, dtype=torch.bool)
 
 
-@register
 @dataclass
 class Quant4View(Policy):
     """QuantSpec-style draft view: layers stored with 8-bit KIVI codes are read through the upper 4 bits of
-    each code (the same storage, half the information); the full-precision residual is read as is."""
+    each code (the same storage, half the information); the full-precision residual is read as is.
+    Only meaningful as a draft view (speculative_generate(draft="quant4")), so it is not registered."""
 
     name = "quant4_view"
     read_precision: ClassVar[int] = 4
