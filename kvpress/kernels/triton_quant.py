@@ -27,6 +27,32 @@ def available() -> bool:
 if triton is not None:
 
     @triton.jit
+    def causal_allowed(pos, qpos, in_range, window, HAS_WINDOW: tl.constexpr):
+        """[M_PAD, BLOCK] may query row (position qpos) read a slot at position pos."""
+        allowed = (pos[None, :] <= qpos[:, None]) & in_range[None, :]
+        if HAS_WINDOW:
+            allowed = allowed & (pos[None, :] > qpos[:, None] - window)
+        return allowed
+
+    @triton.jit
+    def softmax_step(m_i, l_i, logits):
+        """Online softmax over one block of logits: (new max, new sum, probabilities, rescale of old acc)."""
+        m_new = tl.maximum(m_i, tl.max(logits, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(logits - m_safe[:, None])
+        corr = tl.exp(m_i - m_safe)
+        return m_new, l_i * corr + tl.sum(p, 1), p, corr
+
+    @triton.jit
+    def store_partials(m_out, l_out, acc_out, bh, split, n_splits, m_i, l_i, acc, M_PAD: tl.constexpr,
+                       D: tl.constexpr):
+        rows = tl.arange(0, M_PAD)
+        out = (bh * n_splits + split) * M_PAD
+        tl.store(m_out + out + rows, m_i)
+        tl.store(l_out + out + rows, l_i)
+        tl.store(acc_out + (out + rows[:, None]) * D + tl.arange(0, D)[None, :], acc)
+
+    @triton.jit
     def _quant_attn_kernel(
         q_ptr, kc_ptr, ks_ptr, km_ptr, kg_ptr, vc_ptr, vs_ptr, vm_ptr, pos_ptr, valid_ptr, qpos_ptr,
         m_out, l_out, acc_out,
@@ -75,20 +101,12 @@ if triton is not None:
             logits = tl.dot(q, tl.trans(k)) * scaling  # [M_PAD, BLOCK_T]
 
             pos = tl.load(pos_ptr + bh * T_ALL + t, mask=t_ok, other=0)
-            allowed = (pos[None, :] <= qpos[:, None]) & t_ok[None, :]
+            allowed = causal_allowed(pos, qpos, t_ok, window, HAS_WINDOW)
             if HAS_VALID:
                 ok = tl.load(valid_ptr + bh * T_ALL + t, mask=t_ok, other=0)
                 allowed = allowed & (ok[None, :] != 0)
-            if HAS_WINDOW:
-                allowed = allowed & (pos[None, :] > qpos[:, None] - window)
             allowed = allowed | ((pos[None, :] == qpos[:, None]) & t_ok[None, :])
-            logits = tl.where(allowed, logits, float("-inf"))
-
-            m_new = tl.maximum(m_i, tl.max(logits, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp(logits - m_safe[:, None])
-            corr = tl.exp(m_i - m_safe)
-            l_i = l_i * corr + tl.sum(p, 1)
+            m_new, l_i, p, corr = softmax_step(m_i, l_i, tl.where(allowed, logits, float("-inf")))
 
             # values: unpack codes, per-slot scale/min of each channel group
             vbytes = tl.load(vc_ptr + bh * T_Q * DB + t[:, None] * DB + byte_of[None, :], mask=t_ok[:, None], other=0)
@@ -101,11 +119,20 @@ if triton is not None:
             v = (vcode * vscale + vmin).to(q.dtype)
             acc = acc * corr[:, None] + tl.dot(p.to(q.dtype), v)
             m_i = m_new
+        store_partials(m_out, l_out, acc_out, bh, split, N_SPLITS, m_i, l_i, acc, M_PAD, D)
 
-        out = (bh * N_SPLITS + split) * M_PAD
-        tl.store(m_out + out + rows, m_i)
-        tl.store(l_out + out + rows, l_i)
-        tl.store(acc_out + (out + rows[:, None]) * D + dims[None, :], acc)
+
+def plan_splits(n: int, programs: int, block_t: int, target_programs: int) -> tuple[int, int]:
+    """Split-K plan: (number of splits, slots per split, a multiple of block_t) so that about
+    target_programs programs run when `programs` (b*h) programs already cover the other axis."""
+    splits = max(1, min(triton.cdiv(n, block_t), triton.cdiv(target_programs, programs)))
+    split_len = triton.cdiv(triton.cdiv(n, splits), block_t) * block_t
+    return triton.cdiv(n, split_len), split_len
+
+
+def partial_buffers(programs: int, splits: int, m_pad: int, dim: int, device):
+    m = torch.empty(programs, splits, m_pad, device=device, dtype=torch.float32)
+    return m, torch.empty_like(m), torch.empty(programs, splits, m_pad, dim, device=device, dtype=torch.float32)
 
 
 def quantized_attention_triton(query, segment, residual_keys, residual_values, key_positions, key_valid,
@@ -126,13 +153,8 @@ def quantized_attention_triton(query, segment, residual_keys, residual_values, k
     n_q = segment.num_slots
     t_all = key_positions.shape[-1]
     q = query.reshape(batch * hkv, m_rows, dim).contiguous()
-    splits = max(1, min(triton.cdiv(n_q, block_t), triton.cdiv(target_programs, batch * hkv)))
-    split_len = triton.cdiv(triton.cdiv(n_q, splits), block_t) * block_t
-    splits = triton.cdiv(n_q, split_len)
-    dev = query.device
-    m_part = torch.empty(batch * hkv, splits, m_pad, device=dev, dtype=torch.float32)
-    l_part = torch.empty_like(m_part)
-    acc_part = torch.empty(batch * hkv, splits, m_pad, dim, device=dev, dtype=torch.float32)
+    splits, split_len = plan_splits(n_q, batch * hkv, block_t, target_programs)
+    m_part, l_part, acc_part = partial_buffers(batch * hkv, splits, m_pad, dim, query.device)
     positions = key_positions.to(torch.int32).contiguous()
     valid = positions if key_valid is None else key_valid.to(torch.int8).contiguous()
     groups = segment.k_group

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import torch
 
-from .triton_quant import available, triton
+from .triton_quant import available, partial_buffers, plan_splits, triton
 
 if triton is not None:
     import triton.language as tl
+
+    from .triton_quant import causal_allowed, softmax_step, store_partials
 
     @triton.jit
     def _sparse_attn_kernel(
@@ -39,26 +41,16 @@ if triton is not None:
             k = tl.load(k_ptr + bh * T * D + slot[:, None] * D + dims[None, :], mask=j_ok[:, None], other=0.0)
             logits = tl.dot(q, tl.trans(k)) * scaling
             pos = tl.load(pos_ptr + bh * T + slot, mask=j_ok, other=0)
-            allowed = (pos[None, :] <= qpos[:, None]) & j_ok[None, :]
-            if HAS_WINDOW:
-                allowed = allowed & (pos[None, :] > qpos[:, None] - window)
+            allowed = causal_allowed(pos, qpos, j_ok, window, HAS_WINDOW)
             allowed = allowed | ((pos[None, :] == qpos[:, None]) & j_ok[None, :])
             if HAS_OK:  # after the self rule: padded index entries may repeat the current slot
                 ok = tl.load(ok_ptr + bh * K + j, mask=j_ok, other=0)
                 allowed = allowed & (ok[None, :] != 0)
-            logits = tl.where(allowed, logits, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(logits, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp(logits - m_safe[:, None])
-            corr = tl.exp(m_i - m_safe)
-            l_i = l_i * corr + tl.sum(p, 1)
+            m_new, l_i, p, corr = softmax_step(m_i, l_i, tl.where(allowed, logits, float("-inf")))
             v = tl.load(v_ptr + bh * T * D + slot[:, None] * D + dims[None, :], mask=j_ok[:, None], other=0.0)
             acc = acc * corr[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
-        out = (bh * N_SPLITS + split) * M_PAD
-        tl.store(m_out + out + rows, m_i)
-        tl.store(l_out + out + rows, l_i)
-        tl.store(acc_out + (out + rows[:, None]) * D + dims[None, :], acc)
+        store_partials(m_out, l_out, acc_out, bh, split, N_SPLITS, m_i, l_i, acc, M_PAD, D)
 
 
 def sparse_attention_triton(query, keys, values, indices, index_valid, key_positions, query_positions, scaling,
@@ -74,13 +66,8 @@ def sparse_attention_triton(query, keys, values, indices, index_valid, key_posit
     m_rows = g * rows
     m_pad = max(16, triton.next_power_of_2(m_rows))
     n_idx = indices.shape[-1]
-    splits = max(1, min(triton.cdiv(n_idx, block_t), triton.cdiv(target_programs, batch * hkv)))
-    split_len = triton.cdiv(triton.cdiv(n_idx, splits), block_t) * block_t
-    splits = triton.cdiv(n_idx, split_len)
-    dev = query.device
-    m_part = torch.empty(batch * hkv, splits, m_pad, device=dev, dtype=torch.float32)
-    l_part = torch.empty_like(m_part)
-    acc_part = torch.empty(batch * hkv, splits, m_pad, dim, device=dev, dtype=torch.float32)
+    splits, split_len = plan_splits(n_idx, batch * hkv, block_t, target_programs)
+    m_part, l_part, acc_part = partial_buffers(batch * hkv, splits, m_pad, dim, query.device)
     idx = indices.to(torch.int32).contiguous()
     ok = idx if index_valid is None else index_valid.to(torch.int8).contiguous()
     _sparse_attn_kernel[(batch * hkv, splits)](
