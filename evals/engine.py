@@ -1,0 +1,304 @@
+"""One prefill shared by many (policy, ratio) configs, then one batched greedy decode per policy.
+
+Why this is exact: a kvpress prefill attends over the full prompt in every layer and only then lets the policy
+evict from that layer, so the forward (and the first generated token) is the same for every policy and ratio.
+`FanOut` is a kvpress Policy whose prefill hook hands each config its own copy of the layer and runs that
+config's own selection on it; a scoring policy's scores do not depend on the budget, so they are computed once
+per policy and cut at each ratio. Decoding then batches the ratios of one policy as rows of one cache: rows
+keep their own budgets (`row_budget`), and the shorter rows are left-padded with invalid slots, which the core
+masks out and evicts first, as it does for its own ragged rows.
+
+Only public pieces of kvpress are used: Policy hooks, ScorerPolicy.score / row_budget / compress, KVPressLayer
+state. tests/test_evals_engine.py checks each config against a plain patched `generate`."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+
+import kvpress
+from kvpress import KVPressCache, KVPressLayer
+from kvpress.policies import Policy, resolve_policy
+from kvpress.policies.base import ScorerPolicy, select_kept
+from kvpress.policies.registry import get_policy_class
+
+
+def takes_ratio(policy: str) -> bool:
+    """Whether a policy name (or composition "snapkv+kivi") evicts to a budget; "none" and codecs do not."""
+    return any(get_policy_class(part.strip()).needs_budget for part in policy.split("+"))
+
+
+@dataclass(frozen=True)
+class Config:
+    policy: str
+    ratio: float = 0.0  # fraction of the prompt removed; 0 for policies that take no budget
+
+    def make(self) -> Policy:
+        if takes_ratio(self.policy):
+            return resolve_policy(self.policy, compression_ratio=self.ratio)
+        return resolve_policy(self.policy)
+
+
+def configs_for(policies: list[str], ratios: list[float]) -> list[Config]:
+    """Every evicting policy at every ratio; the others ("none", codecs) once, at ratio 0."""
+    return [Config(p, r) for p in policies for r in (ratios if takes_ratio(p) else [0.0])]
+
+
+def clone_layer(layer):
+    """A copy that shares tensors: cache layers replace tensors on update/keep and never write into them."""
+    out = copy.copy(layer)
+    if isinstance(layer, KVPressLayer):
+        out.slot_state = dict(layer.slot_state)
+    return out
+
+
+def clone_cache(model, cache: KVPressCache) -> KVPressCache:
+    out = KVPressCache(model.config)
+    out.layers = [clone_layer(layer) for layer in cache.layers]
+    return out
+
+
+@dataclass
+class FanOut(Policy):
+    """At prefill, gives every config its own compressed copy of each layer; never evicts from the layer itself."""
+
+    name: ClassVar[str] = "fan_out"
+    policies: dict = field(default_factory=dict)  # Config -> Policy
+
+    def __post_init__(self):
+        self.layers = {c: {} for c in self.policies}  # Config -> {layer_idx: KVPressLayer}
+        self.score_s = {c: 0.0 for c in self.policies}  # time each config's selection took, all layers
+        self.total_s = 0.0  # time spent in this hook, all configs
+        groups: dict = {}
+        for c, p in self.policies.items():
+            groups.setdefault(_params_key(p), []).append(c)
+        self.groups = list(groups.values())
+
+    def check_model(self, head_dim: int) -> None:
+        for policy in self.policies.values():
+            policy.check_model(head_dim)
+
+    def on_prefill(self, ctx) -> None:
+        for group in self.groups:
+            first = self.policies[group[0]]
+            start = time.perf_counter()
+            # ScorerPolicy.on_prefill is row_budget + compress(score): score once, cut per ratio.
+            shared = isinstance(first, ScorerPolicy) and type(first).on_prefill is ScorerPolicy.on_prefill
+            if shared:
+                base = clone_layer(ctx.layer)
+                scores = first.score(dataclasses.replace(ctx, layer=base))  # may add slot state (H2O)
+                n_real = ctx.layer.key_valid()[:, 0].sum(-1)
+            shared_s = time.perf_counter() - start
+            for c in group:
+                start = time.perf_counter()
+                policy = self.policies[c]
+                if shared:
+                    layer = clone_layer(base)
+                    layer.row_budget = policy.row_budget(n_real)
+                    policy.compress(dataclasses.replace(ctx, layer=layer), scores)
+                else:
+                    layer = clone_layer(ctx.layer)
+                    policy.on_prefill(dataclasses.replace(ctx, layer=layer))
+                self.layers[c][ctx.layer_idx] = layer
+                own_s = time.perf_counter() - start
+                self.score_s[c] += shared_s + own_s
+                self.total_s += own_s
+            self.total_s += shared_s
+
+
+@dataclass
+class Prefill:
+    logits: torch.Tensor  # [1, vocab] at the last prompt position (the same for every config)
+    caches: dict  # Config -> KVPressCache holding that config's compressed prompt
+    seconds: dict  # Config -> forward time + that config's own selection time
+    n_tokens: int
+
+
+@torch.no_grad()
+def prefill(model, ids: torch.Tensor, configs: list[Config]) -> Prefill:
+    fan = FanOut({c: c.make() for c in configs})
+    cache = KVPressCache(model.config)
+    with kvpress.patch_model(model, fan):
+        start = time.perf_counter()
+        out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        total = time.perf_counter() - start
+    forward_s = total - fan.total_s
+    caches = {}
+    for c in configs:
+        per = KVPressCache(model.config)
+        per.layers = [fan.layers[c][i] if i in fan.layers[c] else clone_layer(layer)
+                      for i, layer in enumerate(cache.layers)]
+        caches[c] = per
+    return Prefill(out.logits[:, -1].float(), caches, {c: forward_s + fan.score_s[c] for c in configs}, ids.shape[1])
+
+
+def stack_layers(layers: list) -> object:
+    """Rows of one batch from single-row layers of the same step (same `seen`). kvpress layers are left-padded
+    to the widest row with invalid slots; other layers (e.g. sliding windows, never compressed) are identical
+    across configs and repeated."""
+    if len(layers) == 1:
+        return clone_layer(layers[0])
+    first = layers[0]
+    if not isinstance(first, KVPressLayer):
+        out = clone_layer(first)
+        out.batch_repeat_interleave(len(layers))
+        return out
+    assert len({l.seen for l in layers}) == 1, "rows of one batch must have seen the same tokens"
+    width = max(l.stored for l in layers)
+    pads = [width - l.stored for l in layers]
+    keys = torch.cat([F.pad(l.keys, (0, 0, p, 0)) for l, p in zip(layers, pads)])
+    values = torch.cat([F.pad(l.values, (0, 0, p, 0)) for l, p in zip(layers, pads)])
+    out = KVPressLayer()
+    out.lazy_initialization(keys, values)
+    out.keys, out.values = keys, values
+    # filler slots sit first, at position 0: slots stay sorted by position, and they are invalid (never read)
+    out.positions = torch.cat([F.pad(l.key_positions().to(torch.int32), (p, 0)) for l, p in zip(layers, pads)])
+    out.valid = torch.cat([F.pad(l.key_valid(), (p, 0), value=False) for l, p in zip(layers, pads)])
+    for name in {n for l in layers for n in l.slot_state}:
+        out.slot_state[name] = torch.cat([
+            F.pad(l.slot_state.get(name, torch.zeros(l.keys.shape[:3], device=keys.device)), (p, 0))
+            for l, p in zip(layers, pads)])
+    if all(l.row_budget is not None for l in layers):
+        out.row_budget = torch.cat([l.row_budget for l in layers])
+    out.seen, out.last_q_len = first.seen, first.last_q_len
+    return out
+
+
+def stack_caches(model, caches: list[KVPressCache]) -> KVPressCache:
+    out = KVPressCache(model.config)
+    out.layers = [stack_layers([c.layers[i] for c in caches]) for i in range(len(caches[0].layers))]
+    return out
+
+
+def stop_ids(model, tokenizer) -> set[int]:
+    ids = model.generation_config.eos_token_id
+    ids = set(ids if isinstance(ids, (list, tuple)) else [ids] if ids is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+@torch.no_grad()
+def greedy(model, cache: KVPressCache, logits: torch.Tensor, max_new: int, stop: set[int]) -> list[list[int]]:
+    """Greedy tokens for each row, from the logits of the step before; a row stops at a stop token."""
+    rows = logits.shape[0]
+    tokens: list[list[int]] = [[] for _ in range(rows)]
+    done = [False] * rows
+    for step in range(max_new):
+        nxt = logits.argmax(-1)
+        for r in range(rows):
+            if not done[r]:
+                tokens[r].append(int(nxt[r]))
+                done[r] = int(nxt[r]) in stop
+        if all(done) or step == max_new - 1:
+            break
+        logits = model(input_ids=nxt[:, None], past_key_values=cache, use_cache=True).logits[:, -1].float()
+    return tokens
+
+
+def _params_key(policy: Policy):
+    """Hyper-parameters other than the budget: configs that differ only in ratio share scores and hooks."""
+    return type(policy), repr(sorted((f.name, getattr(policy, f.name)) for f in dataclasses.fields(policy)
+                                     if f.name not in ("compression_ratio", "budget")))
+
+
+def _passive(policy: Policy) -> bool:
+    """Acts at prefill only (none, SnapKV, Knorm, Random): its decode and extend hooks do nothing."""
+    return (not getattr(policy, "evicts_during_decode", False) and type(policy).on_extend is Policy.on_extend
+            and type(policy).key_view is Policy.key_view
+            and type(policy).on_decode in (Policy.on_decode, ScorerPolicy.on_decode))
+
+
+def _rowwise(policy: Policy) -> bool:
+    """Evicts while decoding through ScorerPolicy's own path (H2O, TOVA, StreamingLLM): Rows can run it."""
+    return (isinstance(policy, ScorerPolicy) and policy.evicts_during_decode
+            and type(policy).on_decode is ScorerPolicy.on_decode and not getattr(policy, "cache_local_positions", False))
+
+
+@dataclass
+class Rows(Policy):
+    """Decode-time hooks for a batch whose rows follow different evicting policies: each policy scores the
+    batch, and each row keeps what its own policy picks under its own budget (ScorerPolicy.compress, with
+    scores and protected slots taken row by row). One parameter set per policy class, as per-slot state
+    (H2O's) is named by class."""
+
+    name: ClassVar[str] = "rows"
+    policies: list = field(default_factory=list)  # one per batch row
+
+    def __post_init__(self):
+        self.groups: dict = {}
+        for row, policy in enumerate(self.policies):
+            self.groups.setdefault(_params_key(policy), (policy, []))[1].append(row)
+        assert len({key[0] for key in self.groups}) == len(self.groups), "one parameter set per policy class"
+
+    def check_model(self, head_dim: int) -> None:
+        for policy, _ in self.groups.values():
+            policy.check_model(head_dim)
+
+    def on_extend(self, ctx) -> None:
+        for policy, _ in self.groups.values():
+            policy.on_extend(ctx)
+
+    def on_decode(self, ctx) -> None:
+        layer = ctx.layer
+        valid = layer.key_valid()
+        n_valid = valid.sum(-1)
+        n_keep = torch.minimum(layer.row_budget[:, None].to(n_valid), n_valid)
+        if bool((n_keep == n_valid).all()) and layer.stored == int(n_keep.max()):
+            return  # the same early exit as ScorerPolicy.compress
+        scores = torch.zeros(valid.shape, dtype=torch.float32, device=valid.device)
+        protected = torch.zeros_like(valid)
+        for policy, rows in self.groups.values():
+            scores[rows] = policy.score(ctx)[rows].float()
+            kept = policy.protected(ctx, n_keep)
+            if kept is not None:
+                protected[rows] = kept[rows]
+        layer.keep(*select_kept(scores, valid, n_keep, protected))
+
+
+def decode_batches(pre: Prefill, configs: list[Config]) -> list[tuple[list[Config], Policy]]:
+    """How to decode: (configs stacked as rows, the policy to patch with). Prefill-only policies share one batch
+    under "none" (their hooks are no-ops after prefill); decode-time evictors share one batch under Rows;
+    anything else (low-bit storage, custom hooks) decodes alone under its own policy."""
+    made = {c: c.make() for c in configs}
+    passive, shared, extra, alone = [], [], {}, []
+    shared_keys = {}  # policy class -> the parameter set that rides in the shared Rows batch
+    for c in configs:
+        key = _params_key(made[c])
+        if any(getattr(layer, "quantized", None) is not None for layer in pre.caches[c].layers):
+            alone.append(c)  # low-bit storage: no row stacking here
+        elif _passive(made[c]):
+            passive.append(c)
+        elif _rowwise(made[c]) and shared_keys.setdefault(key[0], key) == key:
+            shared.append(c)
+        elif _rowwise(made[c]):
+            extra.setdefault(key, []).append(c)
+        else:
+            alone.append(c)
+    out = [(passive, resolve_policy("none"))] if passive else []
+    out += [(b, Rows([made[c] for c in b])) for b in [shared, *extra.values()] if b]
+    return out + [([c], made[c]) for c in alone]
+
+
+@torch.no_grad()
+def answer(model, pre: Prefill, batch: list[Config], policy: Policy, question_ids: torch.Tensor | None,
+           max_new: int, stop: set[int]) -> tuple[list[list[int]], float]:
+    """Greedy answers for a batch of configs (one row each), patched with `policy` so decode-time eviction runs.
+    query-aware: question_ids is None (the prompt held the question; decoding starts from the prefill's logits).
+    query-agnostic: the question first extends each row's compressed context."""
+    cache = stack_caches(model, [pre.caches[c] for c in batch])
+    start = time.perf_counter()
+    with kvpress.patch_model(model, policy):
+        if question_ids is None:
+            logits = pre.logits.expand(len(batch), -1)
+        else:
+            ids = question_ids.expand(len(batch), -1)
+            logits = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        tokens = greedy(model, cache, logits.float(), max_new, stop)
+    return tokens, time.perf_counter() - start

@@ -1,0 +1,76 @@
+"""The shared prefill + batched decode of evals/engine.py gives, for every (policy, ratio), exactly what a plain
+patched model gives for that config alone: the same kept slots after prefill and the same greedy tokens."""
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import kvpress
+from evals.engine import Rows, answer, configs_for, decode_batches, prefill
+
+POLICIES = ["none", "snapkv", "knorm", "random", "h2o", "tova", "streaming_llm", "kivi", "snapkv+kivi"]
+
+
+def _model():
+    torch.manual_seed(0)
+    # head_dim 32 so that KIVI's default group size fits; no EOS, so every config decodes every step
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
+                         pad_token_id=0, bos_token_id=1, eos_token_id=None)
+    model = LlamaForCausalLM(config).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def _alone(model, config, ids, question, n):
+    with kvpress.patch_model(model, config.make()):
+        cache = kvpress.KVPressCache(model.config)
+        full = ids
+        if question is not None:  # query-agnostic: compress the context, then extend with the question
+            with torch.no_grad():
+                model(input_ids=ids, past_key_values=cache)
+            full = torch.cat([ids, question], 1)
+        out = model.generate(full, attention_mask=torch.ones_like(full), past_key_values=cache, max_new_tokens=n,
+                             do_sample=False)
+    return out[0, full.shape[1]:].tolist()
+
+
+@pytest.mark.parametrize("mode", ["query_aware", "query_agnostic"])
+def test_each_config_matches_its_own_patched_generate(mode):
+    model = _model()
+    torch.manual_seed(1)
+    ids = torch.randint(3, 128, (1, 230))
+    question = None if mode == "query_aware" else torch.randint(3, 128, (1, 9))
+    configs = configs_for(POLICIES, [0.6])
+    pre = prefill(model, ids, configs)
+    batches = decode_batches(pre, configs)
+    # prefill-only policies ride together under "none", decode-time evictors under Rows, low-bit ones alone
+    kinds = {(type(policy).__name__, tuple(sorted({c.policy for c in batch}))) for batch, policy in batches}
+    assert ("NoCompression", ("knorm", "none", "random", "snapkv")) in kinds
+    assert ("Rows", ("h2o", "streaming_llm", "tova")) in kinds
+    assert sum(1 for batch, _ in batches if len(batch) == 1 and "kivi" in batch[0].policy) == 2
+    for batch, policy in batches:
+        tokens, _ = answer(model, pre, batch, policy, question, 8, set())
+        for config, got in zip(batch, tokens):
+            assert got == _alone(model, config, ids, question, 8), config
+
+
+def test_kept_slots_after_prefill_match_a_plain_prefill():
+    model = _model()
+    ids = torch.randint(3, 128, (1, 230), generator=torch.Generator().manual_seed(2))
+    configs = configs_for(["snapkv", "h2o", "tova", "streaming_llm", "knorm"], [0.3, 0.9])
+    pre = prefill(model, ids, configs)
+    for config in configs:
+        cache = kvpress.KVPressCache(model.config)
+        with kvpress.patch_model(model, config.make()), torch.no_grad():
+            model(input_ids=ids, past_key_values=cache)
+        for mine, ref in zip(pre.caches[config].layers, cache.layers):
+            assert torch.equal(mine.key_positions(), ref.key_positions()), config
+            assert torch.equal(mine.keys, ref.keys) and torch.equal(mine.values, ref.values), config
+        assert pre.caches[config].nbytes() == cache.nbytes()
+
+
+def test_rows_rejects_two_parameter_sets_of_one_policy():
+    h2o = kvpress.policies.resolve_policy("h2o", compression_ratio=0.5)
+    with pytest.raises(AssertionError):
+        Rows([h2o, kvpress.policies.resolve_policy("h2o", compression_ratio=0.5, recent=3)])
