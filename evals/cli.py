@@ -1,0 +1,343 @@
+"""kvpress-eval: score KV-cache policies and compression ratios on long-context tasks.
+
+  kvpress-eval --model smollm2 --task ruler --lengths 2048,4096 --policies none,snapkv,h2o,streaming_llm \\
+               --ratios 0.5,0.75,0.9 --n 50 --out results/
+
+Writes to --out: results.jsonl (one row per sample, question, policy and ratio; results.shard-I-of-N.jsonl
+when sharded), summary.csv, summary.md, accuracy_vs_ratio_<mode>.png (and needle_heatmap_<mode>.png), and
+runs.jsonl (each invocation's command line and wall time). A rerun skips every finished (sample, policy,
+ratio, mode). Each sample is prefilled once for all policies and ratios (see evals/engine.py).
+
+Sharding: --shard I/N takes every N-th sample from the I-th; under torchrun or accelerate launch the shard
+comes from RANK / WORLD_SIZE and the device from LOCAL_RANK, and rank 0 writes the summary once all ranks are
+done. Separate --shard processes each rewrite the summary when they finish; `--summarize` rebuilds it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SUITES = ("ruler", "longbench", "needle")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvpress-eval", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="an HF checkpoint folder, or a kvpress model name (smollm2, gemma3)")
+    p.add_argument("--task", required=True, help=f"one of {', '.join(SUITES)}")
+    p.add_argument("--subtasks", default=None,
+                   help="comma list (ruler: default the 6-task suite, 'all' for every task; longbench: datasets)")
+    p.add_argument("--lengths", default="2048,4096", help="prompt tokens (longbench: the truncation budget)")
+    p.add_argument("--policies", default="none,snapkv,h2o,streaming_llm", help="comma list of kvpress policies")
+    p.add_argument("--ratios", default="0.5,0.75,0.9", help="compression ratios (fraction of the KV removed)")
+    p.add_argument("--modes", default="query_aware", help="query_aware and/or query_agnostic (comma list)")
+    p.add_argument("--n", type=int, default=50, help="samples per subtask and length (needle: per depth)")
+    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="needle depths in [0, 1]")
+    p.add_argument("--questions", type=int, default=1,
+                   help="questions per sample over one context (ruler qa / niah_multikey_*)")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="cap on generated tokens (default: each task's own budget; not part of the resume key)")
+    p.add_argument("--data", default=None, help="longbench: a LongBench .jsonl file or a folder of them")
+    p.add_argument("--shard", default=None, help="I/N: run the I-th of N shards (0-based)")
+    p.add_argument("--device", default="auto", help="auto (cuda:LOCAL_RANK if available, else cpu), cpu, cuda:0...")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto: float32 on CPU, bfloat16 on GPU")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--summarize", action="store_true", help="only rebuild the summary and plots from --out")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+# ---------------------------------------------------------------------------- validation (no model loaded)
+def _list(name: str, text: str) -> list[str]:
+    return [x.strip() for x in (text or "").split(",") if x.strip()]
+
+
+def _numbers(name: str, text: str, kind, low, high, what: str) -> list:
+    values = []
+    for item in _list(name, text):
+        try:
+            value = kind(item)
+        except ValueError:
+            raise ValueError(f"{name}={text!r}: {item!r} is not a number; allowed values: {what}") from None
+        if not (low <= value < high if kind is float else low <= value <= high):
+            raise ValueError(f"{name}={text!r}: {item} is out of range; allowed values: {what}")
+        values.append(value)
+    return values
+
+
+@dataclass
+class Plan:
+    model: str  # as given
+    model_path: Path
+    context: int  # the model's max_position_embeddings
+    suite: str
+    subtasks: list[str]
+    lengths: list[int]
+    configs: list
+    modes: list[str]
+    n: int
+    out: Path
+    shard: tuple[int, int]
+    depths: list[float] = field(default_factory=list)
+    records: dict = field(default_factory=dict)  # longbench dataset -> records
+
+
+def resolve_model(model: str) -> Path:
+    from kvpress import models
+
+    if model in models.MODELS:
+        path = models.model_path(model)
+        if not models.is_available(model):
+            raise ValueError(f"--model={model!r} is not prepared at {path}; run `make models` first")
+        return path
+    path = Path(model)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"--model={model!r}: not a folder with config.json, nor a kvpress model name; allowed "
+                         f"values: an HF checkpoint folder or one of {sorted(models.MODELS)}")
+    return path
+
+
+def model_context(path: Path) -> int:
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)  # reads config.json only
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    return int(getattr(text, "max_position_embeddings"))
+
+
+def shard_of(text: str | None) -> tuple[int, int]:
+    if text is None:
+        world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun / accelerate launch
+        return (int(os.environ.get("RANK", "0")), world) if world > 1 else (0, 1)
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise ValueError(f"--shard={text!r}; allowed values: I/N with 0 <= I < N, e.g. 0/4") from None
+    if not 0 <= i < n:
+        raise ValueError(f"--shard={text!r}; allowed values: I/N with 0 <= I < N, e.g. 0/4")
+    return i, n
+
+
+def make_plan(args) -> Plan:
+    """Every check of the command line, before any model (or tokenizer) is loaded."""
+    from kvpress.policies.registry import get_policy_class, list_policies
+
+    from . import longbench, ruler
+    from .engine import configs_for, takes_ratio
+    from .runner import MODES
+
+    if args.task not in SUITES:
+        raise ValueError(f"--task={args.task!r} is unknown; allowed values: {list(SUITES)}")
+    shard = shard_of(args.shard)
+    policies = _list("--policies", args.policies)
+    if not policies:
+        raise ValueError(f"--policies is empty; allowed values: a comma list of {list_policies()}")
+    for policy in policies:
+        for part in policy.split("+"):
+            try:
+                get_policy_class(part.strip())
+            except ValueError:
+                raise ValueError(f"--policies: {policy!r} is unknown; allowed values: {list_policies()} "
+                                 f"(or an eviction policy + a codec, e.g. snapkv+kivi)") from None
+    ratios = _numbers("--ratios", args.ratios, float, 0.0, 1.0, "floats in [0, 1)")
+    if not ratios and any(takes_ratio(p) for p in policies):
+        raise ValueError("--ratios is empty; allowed values: a comma list of floats in [0, 1)")
+    modes = _list("--modes", args.modes)
+    if not modes or set(modes) - set(MODES):
+        raise ValueError(f"--modes={args.modes!r}; allowed values: a comma list of {list(MODES)}")
+    lengths = _numbers("--lengths", args.lengths, int, 1, 10**9, "positive token counts")
+    if not lengths:
+        raise ValueError("--lengths is empty; allowed values: a comma list of token counts, e.g. 2048,4096")
+    if args.n < 1:
+        raise ValueError(f"--n={args.n}; allowed values: an int >= 1")
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens={args.max_new_tokens}; allowed values: an int >= 1")
+    if args.questions < 1:
+        raise ValueError(f"--questions={args.questions}; allowed values: an int >= 1")
+    depths = _numbers("--depths", args.depths, float, 0.0, 1.0 + 1e-9, "floats in [0, 1]")
+
+    available = {"ruler": ruler.TASKS, "needle": ["needle"], "longbench": longbench.DATASETS}[args.task]
+    if args.subtasks in (None, ""):
+        subtasks = {"ruler": ruler.DEFAULT_TASKS, "needle": ["needle"], "longbench": None}[args.task]
+        if subtasks is None:
+            raise ValueError(f"--subtasks is required for longbench; allowed values: {available}")
+    elif args.subtasks == "all":
+        subtasks = list(available)
+    else:
+        subtasks = _list("--subtasks", args.subtasks)
+        unknown = [s for s in subtasks if s not in available]
+        if unknown:
+            raise ValueError(f"--subtasks: {unknown} unknown for --task={args.task}; allowed values: {available}")
+    if args.task == "ruler" and args.questions > 1:
+        for s in subtasks:  # raises for single-question tasks
+            ruler.tasks.builder(s, 0, lengths[0], questions=args.questions)
+    if args.task == "needle" and not depths:
+        raise ValueError("--depths is empty; allowed values: a comma list of floats in [0, 1]")
+
+    path = resolve_model(args.model)
+    context = model_context(path)
+    too_long = [n for n in lengths if n > context]
+    if too_long:
+        raise ValueError(f"--lengths: {too_long} exceed the model's context ({context} tokens, "
+                         f"max_position_embeddings); allowed values: lengths <= {context}")
+    records = {}
+    if args.task == "longbench":
+        records = {d: longbench.load_records(d, args.data) for d in subtasks}
+    return Plan(args.model, path, context, args.task, subtasks, lengths, configs_for(policies, ratios), modes,
+                args.n, Path(args.out), shard, depths, records)
+
+
+# ---------------------------------------------------------------------------- work
+def work_items(plan: Plan) -> list[tuple[str, int, int]]:
+    """(subtask, length, index) for this shard, in a fixed order."""
+    items = []
+    for length in plan.lengths:
+        for subtask in plan.subtasks:
+            if plan.suite == "longbench":
+                count = min(plan.n, len(plan.records[subtask]))
+            elif plan.suite == "needle":
+                count = plan.n * len(plan.depths)
+            else:
+                count = plan.n
+            items += [(subtask, length, i) for i in range(count)]
+    i, n = plan.shard
+    return items[i::n]
+
+
+def make_sample(plan: Plan, tokenizer, subtask: str, length: int, index: int, args):
+    from . import longbench, needle, ruler
+
+    if plan.suite == "ruler":
+        return ruler.generate(subtask, tokenizer, length, index, args.seed, questions=args.questions)
+    if plan.suite == "needle":
+        return needle.generate(tokenizer, length, plan.depths[index % len(plan.depths)], index, args.seed)
+    return longbench.to_sample(plan.records[subtask][index], subtask, index, max_tokens=length)
+
+
+def row_key(model: str, row: dict) -> tuple:
+    return (model, row["task"], row["length"], row["index"], row.get("depth"), row["mode"], row["policy"],
+            float(row["ratio"]), row["question"], row.get("seed"))
+
+
+def pick_device(name: str):
+    import torch
+
+    if name != "auto":
+        return torch.device(name)
+    if torch.cuda.is_available():
+        return torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}")
+    return torch.device("cpu")
+
+
+def load_model(path: Path, device, dtype: str):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if dtype == "auto":
+        dtype = "float32" if device.type == "cpu" else "bfloat16"
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), attn_implementation="sdpa")
+    return model.to(device).eval()
+
+
+def run(args) -> dict:
+    """Validate, evaluate what is missing, write the summary. Returns counts and wall time."""
+    started = time.time()
+    if args.summarize:
+        from .report import write_all
+
+        return dict(written=[str(p) for p in write_all(args.out)])
+    plan = make_plan(args)
+
+    import torch
+    from tqdm import tqdm
+    from transformers import AutoTokenizer
+
+    from .report import read_rows, write_all
+    from .runner import evaluate
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    plan.out.mkdir(parents=True, exist_ok=True)
+    i, n = plan.shard
+    results = plan.out / ("results.jsonl" if n == 1 else f"results.shard-{i}-of-{n}.jsonl")
+    done = {row_key(r.get("model"), r) for r in read_rows(plan.out)}
+    tokenizer = AutoTokenizer.from_pretrained(plan.model_path)
+    items = work_items(plan)
+    model, device = None, pick_device(args.device)
+    counts = dict(evaluated=0, skipped=0)
+    bar = tqdm(total=len(items) * len(plan.modes), desc=f"{plan.suite}" + (f" shard {i}/{n}" if n > 1 else ""),
+               unit="sample", disable=args.no_progress, dynamic_ncols=True)
+    with open(results, "a", encoding="utf-8") as sink:
+        for subtask, length, index in items:
+            sample = make_sample(plan, tokenizer, subtask, length, index, args)
+            if args.max_new_tokens:
+                sample.max_new_tokens = min(sample.max_new_tokens, args.max_new_tokens)
+            for mode in plan.modes:
+                bar.set_postfix_str(f"{subtask} {length} #{index} {mode}", refresh=False)
+                probe = dict(task=sample.task, length=length, index=sample.index, depth=sample.meta.get("depth"),
+                             mode=mode, seed=sample.meta.get("seed"))
+                missing = [c for c in plan.configs
+                           if any(row_key(plan.model, dict(probe, policy=c.policy, ratio=c.ratio, question=q))
+                                  not in done for q in range(len(sample.questions)))]
+                if missing:
+                    if model is None:  # only when there is work: a finished run resumes without loading it
+                        model = load_model(plan.model_path, device, args.dtype)
+                    for row in evaluate(model, tokenizer, sample, missing, mode):
+                        row["model"] = plan.model
+                        row["length"] = length
+                        sink.write(json.dumps(row) + "\n")
+                    sink.flush()
+                    counts["evaluated"] += 1
+                else:
+                    counts["skipped"] += 1
+                bar.update()
+    bar.close()
+    wall = time.time() - started
+    with open(plan.out / "runs.jsonl", "a", encoding="utf-8") as f:
+        f.write(json.dumps(dict(command=sys.argv, shard=f"{i}/{n}", wall_s=round(wall, 1), **counts,
+                                threads=torch.get_num_threads(), device=str(device),
+                                torch=torch.__version__)) + "\n")
+    if _is_last_writer(n, args.shard):
+        counts["written"] = [str(p) for p in write_all(plan.out)]
+    counts["wall_s"] = round(wall, 1)
+    return counts
+
+
+def _is_last_writer(n_shards: int, shard_flag: str | None) -> bool:
+    """Under torchrun / accelerate launch: wait for every rank, then rank 0 writes. Otherwise every process
+    writes (the summary reads every shard's file, so the last to finish has it all)."""
+    if n_shards == 1 or shard_flag is not None or "MASTER_ADDR" not in os.environ:
+        return True
+    import datetime
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", timeout=datetime.timedelta(days=7))
+    dist.barrier()
+    last = dist.get_rank() == 0
+    dist.destroy_process_group()
+    return last
+
+
+def main(argv=None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        counts = run(args)
+    except ValueError as e:
+        parser.exit(2, f"kvpress-eval: error: {e}\n")
+    print(json.dumps(counts))
+
+
+if __name__ == "__main__":
+    main()
