@@ -11,6 +11,9 @@ ratio, mode). Each sample is prefilled once for all policies and ratios (see eva
 Sharding: --shard I/N takes every N-th sample from the I-th; under torchrun or accelerate launch the shard
 comes from RANK / WORLD_SIZE and the device from LOCAL_RANK, and rank 0 writes the summary once all ranks are
 done. Separate --shard processes each rewrite the summary when they finish; `--summarize` rebuilds it.
+
+  torchrun --nproc_per_node 8 -m evals.cli --model PATH --task ruler --samples 50 --out results/
+  accelerate launch -m evals.cli --model PATH --task ruler --samples 50 --out results/
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import sys
 import time
 from dataclasses import dataclass, field
@@ -37,7 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policies", default="none,snapkv,h2o,streaming_llm", help="comma list of kvpress policies")
     p.add_argument("--ratios", default="0.5,0.75,0.9", help="compression ratios (fraction of the KV removed)")
     p.add_argument("--modes", default="query_aware", help="query_aware and/or query_agnostic (comma list)")
-    p.add_argument("--n", type=int, default=50, help="samples per subtask and length (needle: per depth)")
+    p.add_argument("--n", "--samples", dest="n", type=int, default=50,
+                   help="samples per subtask and length (needle: per depth); under torchrun write --samples, "
+                        "as torchrun's own parser claims --n")
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="needle depths in [0, 1]")
@@ -303,7 +309,11 @@ def run(args) -> dict:
     bar.close()
     wall = time.time() - started
     with open(plan.out / "runs.jsonl", "a", encoding="utf-8") as f:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        # CPU seconds and the load average say how much of the wall time was this run's (the CPU may be shared)
         f.write(json.dumps(dict(command=sys.argv, shard=f"{i}/{n}", wall_s=round(wall, 1), **counts,
+                                cpu_s=round(usage.ru_utime + usage.ru_stime, 1),
+                                loadavg_at_end=[round(x, 2) for x in os.getloadavg()],
                                 threads=torch.get_num_threads(), device=str(device),
                                 torch=torch.__version__)) + "\n")
     if _is_last_writer(n, args.shard):

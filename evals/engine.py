@@ -1,15 +1,19 @@
-"""One prefill shared by many (policy, ratio) configs, then one batched greedy decode per policy.
+"""One prefill shared by every (policy, ratio) config, then a few batched greedy decodes.
 
-Why this is exact: a kvpress prefill attends over the full prompt in every layer and only then lets the policy
+Why sharing is exact: a kvpress prefill attends over the full prompt in every layer and only then lets the policy
 evict from that layer, so the forward (and the first generated token) is the same for every policy and ratio.
 `FanOut` is a kvpress Policy whose prefill hook hands each config its own copy of the layer and runs that
 config's own selection on it; a scoring policy's scores do not depend on the budget, so they are computed once
-per policy and cut at each ratio. Decoding then batches the ratios of one policy as rows of one cache: rows
-keep their own budgets (`row_budget`), and the shorter rows are left-padded with invalid slots, which the core
-masks out and evicts first, as it does for its own ragged rows.
+per policy and cut at each ratio.
 
-Only public pieces of kvpress are used: Policy hooks, ScorerPolicy.score / row_budget / compress, KVPressLayer
-state. tests/test_evals_engine.py checks each config against a plain patched `generate`."""
+Decoding stacks configs as rows of one cache (`row_budget` per row; shorter rows left-padded with invalid
+slots, which the core masks out and evicts first, as for its own ragged rows): prefill-only policies (none,
+SnapKV, ...) in one batch, decode-time evictors (H2O, TOVA, StreamingLLM) in another under `Rows`, which runs
+each row's own policy. Low-bit storage and custom hooks decode alone.
+
+Only public pieces of kvpress are used: Policy hooks, ScorerPolicy.score / protected / row_budget / compress,
+select_kept, KVPressLayer state. tests/test_evals_engine.py checks every config against its own plain patched
+`generate`: same kept slots, same tokens."""
 
 from __future__ import annotations
 
@@ -55,12 +59,6 @@ def clone_layer(layer):
     out = copy.copy(layer)
     if isinstance(layer, KVPressLayer):
         out.slot_state = dict(layer.slot_state)
-    return out
-
-
-def clone_cache(model, cache: KVPressCache) -> KVPressCache:
-    out = KVPressCache(model.config)
-    out.layers = [clone_layer(layer) for layer in cache.layers]
     return out
 
 
@@ -209,8 +207,10 @@ def _params_key(policy: Policy):
 
 
 def _passive(policy: Policy) -> bool:
-    """Acts at prefill only (none, SnapKV, Knorm, Random): its decode and extend hooks do nothing."""
-    return (not getattr(policy, "evicts_during_decode", False) and type(policy).on_extend is Policy.on_extend
+    """Acts at prefill only (none, SnapKV, Knorm, Random): its decode and extend hooks do nothing, it picks no
+    read subset (read policies) and stores nothing low-bit (codecs)."""
+    return (not getattr(policy, "evicts_during_decode", False) and not getattr(policy, "selects", False)
+            and not getattr(policy, "is_codec", False) and type(policy).on_extend is Policy.on_extend
             and type(policy).key_view is Policy.key_view
             and type(policy).on_decode in (Policy.on_decode, ScorerPolicy.on_decode))
 

@@ -40,7 +40,7 @@ def heatmap(rows: list[dict], path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = sorted({(r["mode"], r["policy"], r["ratio"]) for r in rows})
+    panels = sorted({(r["mode"], r["policy"], r["ratio"]) for r in rows}, key=lambda p: (p[0], p[1] != "none", p))
     lengths = sorted({r["length"] for r in rows})
     depths = sorted({r["depth"] for r in rows})
     fig, axes = plt.subplots(1, len(panels), figsize=(2.2 + 2.2 * len(panels), 0.9 + 0.45 * len(depths) + 0.6),

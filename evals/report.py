@@ -102,7 +102,7 @@ def plot_accuracy(summary: list[dict], path, mode: str) -> None:
                     continue
                 xs = sorted(points)
                 ys = [_mean(points[x]) for x in xs]
-                kw = dict(color=f"C{p_i}", linestyle=styles[l_i % len(styles)],
+                kw = dict(color="black" if policy == "none" else f"C{p_i}", linestyle=styles[l_i % len(styles)],
                           label=f"{policy} @ {length}" if len(lengths) > 1 else policy)
                 if xs == [0.0]:  # a reference without a ratio: a flat line across the plot
                     ax.axhline(ys[0], **kw)

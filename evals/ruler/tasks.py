@@ -251,7 +251,7 @@ def _qa(seed: int, n: int, questions: int) -> Sample:
 # ---------------------------------------------------------------------------- registry
 TASKS = [*NIAH, "vt", "cwe", "fwe", "qa"]
 # The default suite: six families that a run of a few policies x ratios x lengths can afford on a CPU.
-DEFAULT_TASKS = ["niah_single_1", "niah_single_2", "niah_multikey_1", "niah_multivalue", "vt", "qa"]
+DEFAULT_TASKS = ["niah_single_1", "niah_single_2", "niah_multikey_1", "niah_multikey_2", "niah_multivalue", "qa"]
 MULTI_QUESTION_TASKS = {"qa", "niah_multikey_1", "niah_multikey_2", "niah_multikey_3"}
 
 
