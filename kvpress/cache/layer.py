@@ -6,22 +6,29 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from .codecs import QuantizedSegment
+from .ragged import RaggedSegment
 
 
 class KVPressLayer(CacheLayerMixin):
     """Keys/values of one attention layer, stored per KV head (never repeated for GQA).
 
-    State:
-      quantized      the oldest Tq slots in low-bit form (a QuantizedSegment), None without a codec
-      keys, values   [B, Hkv, T - Tq, D]  the other slots in full precision (all of them without a codec);
-                                      slots are sorted by original position in every head
-      positions      [B, Hkv, T]      (these per-slot tensors span both parts) original (raw, pre-eviction) index of each slot; None while the layer
+    Storage, oldest slots first; slots are sorted by original position in every head:
+      ragged         heads that keep different numbers of tokens, stored flat without padding (a
+                     RaggedSegment with its own positions and per-slot state); None while storage is rectangular
+      quantized      the oldest Tq rectangular slots in low-bit form (a QuantizedSegment), None without a codec
+                     (a layer never holds both: codecs need rectangular heads)
+      keys, values   [B, Hkv, Tr, D]  the newest slots in full precision
+    Per-slot tensors of the rectangular part (quantized + keys/values, width Tq + Tr):
+      positions      [B, Hkv, Tq+Tr]  original (raw, pre-eviction) index of each slot; None while the layer
                                       still holds every token it has seen, in order (then it is arange(T))
-      valid          [B, Hkv, T]      False for left padding and for filler slots of rows whose budget is
-                                      below the batch's widest row; None while every slot is a real token
-      slot_state     name -> [B, Hkv, T] per-slot tensors a policy keeps in step with the slots
-                                      (e.g. H2O's accumulated attention); gathered on every compaction
-      row_budget     [B] tokens each row may keep, fixed by the policy at prefill; None until then
+      valid          [B, Hkv, Tq+Tr]  False for left padding and for filler slots (rectangular rows whose budget
+                                      is below the batch's widest row); None while every slot is a real token
+      slot_state     name -> [B, Hkv, Tq+Tr] per-slot tensors a policy keeps in step with the slots (read and
+                                      write them with get_state / set_state, which span the ragged part too)
+    Policies see one padded view over all parts (key_positions, key_valid, get_state, keys_view: the ragged
+    part padded to its longest head with invalid slots); slot j of that view is what keep() takes.
+      row_budget     [B] tokens each row may keep (per KV head, on average), fixed by the policy at prefill
+      decode_start   tokens seen when the prompt ended (generated tokens have positions >= it)
       seen           tokens seen so far (positions of new tokens derive from it, never from T)
       last_q_len     tokens appended by the latest update (tells prefill / decode / extend apart)
     """
@@ -33,10 +40,12 @@ class KVPressLayer(CacheLayerMixin):
     def __init__(self, **kwargs):
         super().__init__()
         self.quantized: QuantizedSegment | None = None
+        self.ragged: RaggedSegment | None = None
         self.positions: torch.Tensor | None = None
         self.valid: torch.Tensor | None = None
         self.slot_state: dict[str, torch.Tensor] = {}
         self.row_budget: torch.Tensor | None = None
+        self.decode_start = 0
         self.aux: dict = {}  # derived read-side state (e.g. per-page key statistics); dropped on compaction
         self.seen = 0
         self.last_q_len = 0
@@ -54,6 +63,7 @@ class KVPressLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         batch, heads, q_len, _ = key_states.shape
+        rect_before = self.rect_len
         self.keys = torch.cat([self.keys, key_states], dim=-2)
         self.values = torch.cat([self.values, value_states], dim=-2)
         if self.positions is not None:
@@ -61,7 +71,7 @@ class KVPressLayer(CacheLayerMixin):
             self.positions = torch.cat([self.positions, new_pos.expand(batch, heads, q_len)], dim=-1)
         if new_valid is not None and (self.valid is not None or not bool(new_valid.all())):
             if self.valid is None:
-                self.valid = torch.ones(batch, heads, self.stored - q_len, dtype=torch.bool, device=self.device)
+                self.valid = torch.ones(batch, heads, rect_before, dtype=torch.bool, device=self.device)
             new_valid = new_valid.to(device=self.device, dtype=torch.bool)[:, None, :].expand(batch, heads, q_len)
             self.valid = torch.cat([self.valid, new_valid], dim=-1)
         elif self.valid is not None:
@@ -86,10 +96,10 @@ class KVPressLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.keys = self.values = None
         self.is_initialized = False
-        self.quantized = self.positions = self.valid = self.row_budget = None
+        self.quantized = self.ragged = self.positions = self.valid = self.row_budget = None
         self.slot_state = {}
         self.aux = {}
-        self.seen = self.last_q_len = 0
+        self.seen = self.last_q_len = self.decode_start = 0
 
     def crop(self, tokens_to_remove: int) -> None:
         """Roll back the most recent tokens: `crop(-n)` forgets the last n seen, `crop(n)` (n > 0) keeps the
@@ -106,8 +116,8 @@ class KVPressLayer(CacheLayerMixin):
         if bool((n_drop != n_drop.flatten()[0]).any()):
             raise RuntimeError("crop: the rolled-back tokens were partly evicted; only an unevicted tail can be cropped")
         keep = self.stored - int(n_drop.flatten()[0])
-        if keep < self.quantized_len:
-            raise RuntimeError("crop: the rolled-back tokens reach into the quantized segment; only the "
+        if keep < self.ragged_len + self.quantized_len:
+            raise RuntimeError("crop: the rolled-back tokens reach into the quantized or ragged segment; only the "
                                "full-precision residual can be rolled back")
         self._truncate(keep)
         self.seen = new_seen
@@ -128,7 +138,20 @@ class KVPressLayer(CacheLayerMixin):
     # ------------------------------------------------------------------ kvpress API
     @property
     def stored(self) -> int:
+        """Width of the padded view: the longest ragged head + every rectangular slot."""
+        return self.ragged_len + self.rect_len
+
+    @property
+    def rect_len(self) -> int:
         return self.quantized_len + (0 if self.keys is None else self.keys.shape[-2])
+
+    @property
+    def ragged_len(self) -> int:
+        return 0 if self.ragged is None else self.ragged.width
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.keys.shape[1]
 
     @property
     def quantized_len(self) -> int:
@@ -140,18 +163,64 @@ class KVPressLayer(CacheLayerMixin):
         return self.positions is not None
 
     def key_positions(self) -> torch.Tensor:
-        """[B, Hkv, T] original position of every stored slot."""
+        """[B, Hkv, T] original position of every slot of the padded view (fillers sit at 0)."""
         if self.positions is not None:
-            return self.positions
-        batch, heads = self.keys.shape[:2]
-        return torch.arange(self.stored, device=self.keys.device).expand(batch, heads, self.stored)
+            rect = self.positions
+        else:
+            batch, heads = self.keys.shape[:2]
+            rect = torch.arange(self.rect_len, device=self.keys.device).expand(batch, heads, self.rect_len)
+        if self.ragged is None:
+            return rect
+        return torch.cat([self.ragged.padded(self.ragged.positions).to(rect.dtype), rect], -1)
 
     def key_valid(self) -> torch.Tensor:
-        """[B, Hkv, T] which stored slots hold real tokens."""
+        """[B, Hkv, T] which slots of the padded view hold real tokens."""
         if self.valid is not None:
-            return self.valid
-        batch, heads = self.keys.shape[:2]
-        return torch.ones(batch, heads, self.stored, dtype=torch.bool, device=self.keys.device)
+            rect = self.valid
+        else:
+            batch, heads = self.keys.shape[:2]
+            rect = torch.ones(batch, heads, self.rect_len, dtype=torch.bool, device=self.keys.device)
+        if self.ragged is None:
+            return rect
+        return torch.cat([self.ragged.index_grid()[1], rect], -1)
+
+    def key_valid_or_none(self) -> torch.Tensor | None:
+        """key_valid(), or None when every slot of the view is a real token (masks can skip the check)."""
+        return None if self.valid is None and self.ragged is None else self.key_valid()
+
+    def keys_view(self) -> torch.Tensor:
+        """[B, Hkv, T', D] full-precision keys a policy may score: the stored residual, behind the padded ragged
+        part when there is one (a transient copy). Quantized slots are not included (use key_logits)."""
+        if self.ragged is None:
+            return self.keys
+        return torch.cat([self.ragged.padded(self.ragged.keys), self.keys], 2)
+
+    def values_view(self) -> torch.Tensor:
+        if self.ragged is None:
+            return self.values
+        return torch.cat([self.ragged.padded(self.ragged.values), self.values], 2)
+
+    def get_state(self, name: str) -> torch.Tensor | None:
+        """Per-slot policy state [B, Hkv, T] over the padded view, or None if the policy never set it."""
+        if name not in self.slot_state:
+            return None
+        rect = self.slot_state[name]
+        if self.ragged is None:
+            return rect
+        return torch.cat([self.ragged.padded(self.ragged.state[name]), rect], -1)
+
+    def set_state(self, name: str, state: torch.Tensor) -> None:
+        """Store per-slot policy state given over the padded view [B, Hkv, T]."""
+        if self.ragged is None:
+            self.slot_state[name] = state
+            return
+        width = self.ragged_len
+        indices, ok = self.ragged.index_grid()
+        flat = state[..., :width][ok]
+        # a new segment object: layers cloned by evals share the old one
+        self.ragged = RaggedSegment(self.ragged.keys, self.ragged.values, self.ragged.positions,
+                                    self.ragged.lengths, {**self.ragged.state, name: flat})
+        self.slot_state[name] = state[..., width:]
 
     def tokens_per_head(self) -> torch.Tensor:
         """[B, Hkv] real tokens kept in each head."""
@@ -166,6 +235,14 @@ class KVPressLayer(CacheLayerMixin):
         indices, order = indices.sort(dim=-1)  # keep slots sorted by position
         if keep_valid is not None:
             keep_valid = keep_valid.gather(-1, order)
+        if self.quantized is None:
+            real = self.key_valid().gather(-1, indices)
+            if keep_valid is not None:
+                real = real & keep_valid
+            counts = real.sum(-1)
+            if self.ragged is not None or bool((counts != counts.flatten()[0]).any()):
+                self._keep_ragged(indices, real)
+                return
         width_q = 0
         if self.quantized is not None:
             indices, keep_valid, width_q = self._keep_segments(indices, keep_valid)
@@ -184,6 +261,47 @@ class KVPressLayer(CacheLayerMixin):
         self.positions = positions.gather(-1, indices)
         self.valid = valid
         self.slot_state = {name: s.gather(-1, indices) for name, s in self.slot_state.items()}
+        self.aux = {}
+
+    def _keep_ragged(self, indices, real):
+        """Compact into a flat RaggedSegment: exactly the real kept slots, no fillers; the residual empties."""
+        batch, heads, rect, dim = self.keys.shape
+        width = self.ragged_len
+        slot = indices[real]  # view slot of every kept token, in (row, head, position) order
+        head = torch.arange(batch * heads, device=indices.device).view(batch, heads, 1).expand_as(indices)[real]
+        from_ragged = slot < width
+        src_rect = (head * rect + slot - width)[~from_ragged]
+        if self.ragged is not None:
+            starts = self.ragged.lengths.flatten().cumsum(0) - self.ragged.lengths.flatten()
+            src_ragged = (starts[head] + slot)[from_ragged]
+
+        def pick(ragged_flat, rect_tensor):
+            out = rect_tensor.new_zeros(slot.shape[0], *rect_tensor.shape[3:])
+            if ragged_flat is not None:
+                out[from_ragged] = ragged_flat[src_ragged]
+            out[~from_ragged] = rect_tensor.reshape(batch * heads * rect, *rect_tensor.shape[3:])[src_rect]
+            return out
+
+        rect_positions = self.key_positions()[..., width:].to(torch.int32)
+        old = self.ragged
+        self.ragged = RaggedSegment(
+            pick(old and old.keys, self.keys), pick(old and old.values, self.values),
+            pick(old and old.positions, rect_positions), real.sum(-1),
+            {name: pick(old and old.state.get(name), state) for name, state in self.slot_state.items()},
+        )
+        self.keys = self.keys.new_empty(batch, heads, 0, dim)
+        self.values = self.values.new_empty(batch, heads, 0, self.values.shape[-1])
+        self.positions = rect_positions.new_empty(batch, heads, 0)
+        self.valid = None
+        self.slot_state = {name: s.new_empty(batch, heads, 0) for name, s in self.slot_state.items()}
+        self.aux = {}
+
+    def _to_rectangular(self) -> None:
+        states = {name: self.get_state(name) for name in self.slot_state}
+        self.keys, self.values = self.keys_view(), self.values_view()
+        self.positions, self.valid = self.key_positions().to(torch.int32), self.key_valid()
+        self.ragged = None
+        self.slot_state = states
         self.aux = {}
 
     def _keep_segments(self, indices, keep_valid):
@@ -210,6 +328,10 @@ class KVPressLayer(CacheLayerMixin):
         """Move the oldest `n` full-precision slots into the quantized segment via `encode(k, v, valid)`."""
         if n <= 0:
             return
+        if self.ragged is not None:
+            # Low-bit groups span the same slots in every head: pad ragged heads back to a rectangle with invalid
+            # fillers (only left-padded batch rows get here; per-head budgets + codec is refused at validation).
+            self._to_rectangular()
         start = self.quantized_len
         segment = encode(self.keys[:, :, :n], self.values[:, :, :n], self.key_valid()[..., start:start + n])
         self.quantized = segment if self.quantized is None else self.quantized.append(segment)
@@ -226,6 +348,10 @@ class KVPressLayer(CacheLayerMixin):
         upto = self.stored if upto is None else upto
         q = query.reshape(batch, hkv, hq // hkv, rows, dim).float()
         parts = []
+        if self.ragged is not None:  # (never together with a quantized segment)
+            keys = self.keys_view()[:, :, :upto].float()
+            parts.append(torch.einsum("bhgrd,bhtd->bhgrt", q, keys))
+            upto = 0
         for start in range(0, min(upto, self.quantized_len), block):
             keys = self.quantized.dequantize_keys(start, min(start + block, upto, self.quantized_len))
             parts.append(torch.einsum("bhgrd,bhtd->bhgrt", q, keys))
@@ -245,6 +371,7 @@ class KVPressLayer(CacheLayerMixin):
         if not self.is_initialized:
             return 0
         quantized = 0 if self.quantized is None else self.quantized.nbytes()
+        quantized += 0 if self.ragged is None else self.ragged.kv_nbytes()
         return quantized + sum(t.numel() * t.element_size() for t in (self.keys, self.values))
 
     # ------------------------------------------------------------------ internals
@@ -253,11 +380,13 @@ class KVPressLayer(CacheLayerMixin):
             return []
         extra = [t for t in (self.positions, self.valid) if t is not None]
         quantized = [] if self.quantized is None else self.quantized.tensors()
+        quantized += [] if self.ragged is None else self.ragged.tensors()
         return [self.keys, self.values, *quantized, *extra, *self.slot_state.values()]
 
     def _truncate(self, n: int) -> None:
-        """Keep the first n slots (all quantized ones among them). clone: a view would keep the whole old
-        buffer alive and nbytes() would under-report it."""
+        """Keep the first n slots of the view (all ragged and quantized ones among them). clone: a view would
+        keep the whole old buffer alive and nbytes() would under-report it."""
+        view_n, n = n, n - self.ragged_len
         r = n - self.quantized_len
         self.keys = self.keys[:, :, :r].clone()
         self.values = self.values[:, :, :r].clone()
@@ -267,12 +396,14 @@ class KVPressLayer(CacheLayerMixin):
             self.valid = self.valid[..., :n].clone()
         self.slot_state = {name: s[..., :n].clone() for name, s in self.slot_state.items()}
         for derived in self.aux.values():
-            derived.truncate(n)
+            derived.truncate(view_n)
 
     def _map_tensors(self, fn, include_rows: bool = False) -> None:
         self.keys, self.values = fn(self.keys), fn(self.values)
         if self.quantized is not None:
             self.quantized = self.quantized.map_rows(fn)
+        if self.ragged is not None:
+            self.ragged = self.ragged.map_rows(fn)
         if self.positions is not None:
             self.positions = fn(self.positions)
         if self.valid is not None:

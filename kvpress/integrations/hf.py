@@ -21,6 +21,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from ..cache import KVPressCache, KVPressLayer
 from ..kernels import allowed_mask
 from ..kernels.quant_attention import quantized_attention
+from ..kernels.ragged_attention import ragged_attention
 from ..kernels.sparse_attention import sparse_attention
 from ..policies import Context, Policy, resolve_policy
 
@@ -53,20 +54,34 @@ def kvpress_attention(module, query, key, value, attention_mask, **kwargs):
         return patch.base_attention(module, query, key, value, attention_mask, **kwargs)
 
     past = layer.seen - layer.last_q_len
-    phase = "prefill" if past == 0 else ("decode" if layer.last_q_len == 1 else "extend")
+    # Every chunk of a chunked prefill is a prefill step: the policy compresses after each one.
+    prompt_tokens = cache.chunked_prompt_tokens
+    if past == 0 or prompt_tokens is not None:
+        phase = "prefill"
+    else:
+        phase = "decode" if layer.last_q_len == 1 else "extend"
     ctx = Context(
         module=module, layer=layer, phase=phase, query=query,
         scaling=kwargs.get("scaling", getattr(module, "scaling", query.shape[-1] ** -0.5)),
         softcap=kwargs.get("softcap"), sliding_window=kwargs.get("sliding_window"),
-        rotary_inv_freq=binding.inv_freq,
+        rotary_inv_freq=binding.inv_freq, num_layers=patch.num_layers, prompt_tokens=prompt_tokens,
     )
-    keys = patch.policy.key_view(ctx)
     # A read view: the cache's draft view during self-speculation, else a read policy after prefill.
     selector = cache.read_view
     if selector is None and patch.policy.selects and phase != "prefill":
         selector = patch.policy
     precision = getattr(selector, "read_precision", None)
-    if selector is not None and selector.selects and layer.quantized is None:
+    if layer.ragged is not None:
+        # Heads hold different numbers of tokens, stored flat: the gather kernel reads each head's own run.
+        if selector is not None and selector.selects:
+            raise ValueError("read policies and self-speculative drafts need rectangular heads; this layer's heads "
+                             "keep different numbers of tokens (budget_allocation='adaptive', or left-padded rows); "
+                             "allowed: budget_allocation='uniform' or 'pyramid' with batch 1")
+        out = ragged_attention(query, layer.ragged, layer.keys, layer.values, layer.positions, layer.valid,
+                               ctx.query_positions(), ctx.scaling, ctx.sliding_window, ctx.softcap)
+        out = (out.transpose(1, 2).contiguous(), None)
+    elif selector is not None and selector.selects and layer.quantized is None:
+        keys = patch.policy.key_view(ctx)
         indices, index_valid = selector.select(ctx)
         index_valid = index_valid & layer.key_valid().gather(-1, indices)
         out = sparse_attention(query, keys, layer.values, indices, index_valid, layer.key_positions(),
@@ -80,9 +95,9 @@ def kvpress_attention(module, query, key, value, attention_mask, **kwargs):
         out = (out.transpose(1, 2).contiguous(), None)
     elif layer.is_compacted:
         # Slot j no longer sits at position j: the HF mask does not describe this layer; build ours.
-        out = patch.attention_with_mask(module, query, keys, value, ctx, **kwargs)
+        out = patch.attention_with_mask(module, query, patch.policy.key_view(ctx), value, ctx, **kwargs)
     else:
-        out = patch.base_attention(module, query, keys, value, attention_mask, **kwargs)
+        out = patch.base_attention(module, query, patch.policy.key_view(ctx), value, attention_mask, **kwargs)
 
     # Attention above used the full, uncompressed view (prefill is exact); now the policy may evict.
     if phase == "prefill":
@@ -98,13 +113,16 @@ def kvpress_attention(module, query, key, value, attention_mask, **kwargs):
 class Patch:
     """A patched model. Use as a context manager, or call `unpatch()`."""
 
-    def __init__(self, model, policy: Policy, base: str, attention_modules, inv_freqs):
+    def __init__(self, model, policy: Policy, base: str, attention_modules, inv_freqs,
+                 prefill_chunk_size: int | None = None):
         self.model = model
         self.policy = policy
         self.base = base
+        self.prefill_chunk_size = prefill_chunk_size
+        text_config = model.config.get_text_config(decoder=True)
+        self.num_layers = getattr(text_config, "num_hidden_layers", None)
         self._handles = []
-        self._had_generate = "generate" in model.__dict__
-        self._previous_generate = model.__dict__.get("generate")
+        self._previous = {name: model.__dict__.get(name, _ABSENT) for name in ("generate", "forward")}
         if base == "eager":
             self._base_fn = _eager_function(attention_modules[0])
         else:
@@ -125,6 +143,8 @@ class Patch:
         self._handles.append(model.register_forward_hook(_after_model_forward, with_kwargs=True))
         self._attention_modules = list(attention_modules)
         model.generate = self._wrap_generate(model.generate)
+        if prefill_chunk_size is not None:
+            model.forward = self._wrap_forward(model.forward)
         _PATCHES[model] = self
 
     # -- attention helpers
@@ -158,6 +178,27 @@ class Patch:
 
         return kvpress_generate
 
+    # -- chunked prefill
+    def _wrap_forward(self, forward):
+        chunk = self.prefill_chunk_size
+
+        @functools.wraps(forward)
+        def chunked_prefill_forward(*args, **kwargs):
+            if len(args) == 1 and "input_ids" not in kwargs:
+                kwargs["input_ids"], args = args[0], ()
+            cache = kwargs.get("past_key_values")
+            tokens = kwargs.get("input_ids")
+            tokens = kwargs.get("inputs_embeds") if tokens is None else tokens
+            mask = kwargs.get("attention_mask")
+            keep = kwargs.get("logits_to_keep", 0)
+            if (args or not isinstance(cache, KVPressCache) or cache.get_seq_length() != 0 or tokens is None
+                    or tokens.shape[1] <= chunk or (mask is not None and mask.dim() != 2)
+                    or not isinstance(keep, int)):
+                return forward(*args, **kwargs)  # not a prompt we can split: one shot
+            return _chunked_prefill(forward, cache, chunk, tokens.shape[0], tokens.shape[1], mask, keep, kwargs)
+
+        return chunked_prefill_forward
+
     # -- undo
     def unpatch(self) -> None:
         """Restore the model exactly as it was before patch_model."""
@@ -168,10 +209,11 @@ class Patch:
         self._handles = []
         for module in self._attention_modules:
             _BINDINGS.pop(module, None)
-        if self._had_generate:
-            self.model.generate = self._previous_generate
-        else:
-            del self.model.generate
+        for name, previous in self._previous.items():
+            if previous is _ABSENT:
+                self.model.__dict__.pop(name, None)
+            else:
+                self.model.__dict__[name] = previous
         self.model.set_attn_implementation(self.base)
         del _PATCHES[self.model]
 
@@ -184,6 +226,43 @@ class Patch:
 
     def __repr__(self):
         return f"Patch({type(self.model).__name__}, policy={self.policy.describe()}, base={self.base!r})"
+
+
+_ABSENT = object()
+_PER_TOKEN_INPUTS = ("input_ids", "inputs_embeds", "position_ids", "token_type_ids")
+
+
+def _chunked_prefill(forward, cache, chunk, batch, length, mask, logits_to_keep, kwargs):
+    """Feed the prompt `chunk` tokens at a time; after each chunk every kvpress layer runs the policy's prefill
+    hook, so the cache holds at most budget + one chunk. Budgets follow the whole prompt's length. Returns
+    the last forward's output, with the logits the caller asked for (logits_to_keep: 0 = all)."""
+    real = mask.sum(-1) if mask is not None else torch.full((batch,), length)
+    device = next(t for t in (kwargs.get("input_ids"), kwargs.get("inputs_embeds")) if t is not None).device
+    cache.chunked_prompt_tokens = real.to(device)
+    logits = []
+    try:
+        for start in range(0, length, chunk):
+            end = min(length, start + chunk)
+            step = dict(kwargs)
+            for name in _PER_TOKEN_INPUTS:
+                if kwargs.get(name) is not None:
+                    step[name] = kwargs[name][..., start:end] if name == "position_ids" else kwargs[name][:, start:end]
+            if kwargs.get("cache_position") is not None:
+                step["cache_position"] = kwargs["cache_position"][start:end]
+            if mask is not None:
+                step["attention_mask"] = mask[:, :end]
+            cache.set_attention_mask(step.get("attention_mask"))
+            # logits this chunk must return: all (0), its tail that falls in the last `logits_to_keep`, or
+            # one that is dropped
+            wanted = end - start if logits_to_keep == 0 else min(end - start, logits_to_keep - (length - end))
+            step["logits_to_keep"] = max(wanted, 1) if logits_to_keep != 0 else 0
+            out = forward(**step)
+            if wanted > 0:
+                logits.append(out.logits)
+    finally:
+        cache.chunked_prompt_tokens = None
+    out.logits = torch.cat(logits, 1) if len(logits) > 1 else logits[0]
+    return out
 
 
 def _bind_cache(module, args, kwargs):
@@ -244,13 +323,17 @@ def _rotary_inv_freq(model, module) -> torch.Tensor:
     )
 
 
-def patch_model(model, policy: str | Policy | None = "none", **params) -> Patch:
+def patch_model(model, policy: str | Policy | None = "none", prefill_chunk_size: int | None = None,
+                **params) -> Patch:
     """Make `model.generate` (and forwards given a KVPressCache) keep a compressed KV cache.
 
     `policy` is a name from `kvpress.list_policies()` or a Policy instance; `params` are its
-    hyper-parameters (e.g. compression_ratio=0.75, or budget=512). Returns a Patch: use it as a context
+    hyper-parameters (e.g. compression_ratio=0.75, or budget=512). `prefill_chunk_size` feeds long prompts
+    in chunks and compresses after each one, so the cache never holds more than budget + one chunk (see
+    docs/architecture.md for how this differs from one-shot prefill). Returns a Patch: use it as a context
     manager or call `.unpatch()`. All checks run before the model is touched."""
     policy = resolve_policy(policy, **params)
+    _check_chunk_size(prefill_chunk_size, policy)
     if model in _PATCHES:
         raise ValueError("model is already patched by kvpress; call .unpatch() on the existing patch first")
     modules = attention_modules_of(model)
@@ -269,7 +352,21 @@ def patch_model(model, policy: str | Policy | None = "none", **params) -> Patch:
     policy.check_model(modules[0].head_dim)
     needs_rotary = getattr(policy, "cache_local_positions", False)
     inv_freqs = [_rotary_inv_freq(model, m) if needs_rotary else None for m in modules]
-    return Patch(model, policy, base, modules, inv_freqs)
+    return Patch(model, policy, base, modules, inv_freqs, prefill_chunk_size)
+
+
+def _check_chunk_size(chunk, policy: Policy) -> None:
+    if chunk is None:
+        return
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"prefill_chunk_size={chunk!r}; allowed values: None or an int >= 1")
+    parts = [policy] + [getattr(policy, name) for name in ("evictor", "codec") if hasattr(policy, name)]
+    for part in parts:
+        window = getattr(part, "window_size", None)
+        if window is not None and chunk < window:
+            raise ValueError(
+                f"prefill_chunk_size={chunk} is smaller than {part.name}'s window_size={window}: each chunk's "
+                f"last window_size queries vote; allowed values: prefill_chunk_size >= {window}")
 
 
 def unpatch(model) -> None:

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import torch
 
-# Upper bound on fp32 elements of one logits block when summing attention column-wise (~64 MB).
-_BLOCK_ELEMENTS = 1 << 24
+# Upper bound on fp32 elements of one logits block when summing attention column-wise (4 MB): blocks that stay
+# in cache run the five passes of the in-place softmax about 2x faster on CPU than 64 MB blocks (measured).
+_BLOCK_ELEMENTS = 1 << 20
 
 
 def allowed_mask(

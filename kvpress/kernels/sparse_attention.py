@@ -17,8 +17,17 @@ from .scores import allowed_mask
 
 def sparse_attention_reference(query, keys, values, indices, index_valid, key_positions, query_positions, scaling,
                                sliding_window=None, softcap=None, block: int = 1024):
+    return finish(sparse_attention_state_reference(query, keys, values, indices, index_valid, key_positions,
+                                                   query_positions, scaling, sliding_window, softcap, block), query)
+
+
+def sparse_attention_state_reference(query, keys, values, indices, index_valid, key_positions, query_positions,
+                                     scaling, sliding_window=None, softcap=None, block: int = 1024):
+    """The online-softmax state (max, sum, acc) over the indexed slots, before normalisation, so callers can
+    merge it with other parts of a layer (see ragged_attention). keys/values/key_positions may be expanded
+    views (stride 0 over rows and heads) of one flat store."""
     batch, hq, rows, dim = query.shape
-    hkv = keys.shape[1]
+    hkv = indices.shape[1]
     q = query.reshape(batch, hkv, hq // hkv, rows, dim).float()
     state = empty_state(q)
     for start in range(0, indices.shape[-1], block):
@@ -31,7 +40,7 @@ def sparse_attention_reference(query, keys, values, indices, index_valid, key_po
             allowed = allowed & ok[:, :, None, :]
         state = block_update(state, q, keys.gather(2, gather).float(), values.gather(2, gather).float(), scaling,
                              softcap, allowed)
-    return finish(state, query)
+    return state
 
 
 def sparse_attention(query, keys, values, indices, index_valid, key_positions, query_positions, scaling,

@@ -18,7 +18,7 @@ if triton is not None:
     @triton.jit
     def _sparse_attn_kernel(
         q_ptr, k_ptr, v_ptr, idx_ptr, ok_ptr, pos_ptr, qpos_ptr, m_out, l_out, acc_out,
-        T, K, SPLIT_LEN, N_SPLITS, scaling, window,
+        KV_BH_STRIDE, POS_BH_STRIDE, K, SPLIT_LEN, N_SPLITS, scaling, window,
         M: tl.constexpr, M_PAD: tl.constexpr, R: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
         HAS_OK: tl.constexpr, HAS_WINDOW: tl.constexpr,
     ):
@@ -38,16 +38,16 @@ if triton is not None:
             j = t0 + tl.arange(0, BLOCK_T)
             j_ok = j < end
             slot = tl.load(idx_ptr + bh * K + j, mask=j_ok, other=0)
-            k = tl.load(k_ptr + bh * T * D + slot[:, None] * D + dims[None, :], mask=j_ok[:, None], other=0.0)
+            k = tl.load(k_ptr + bh * KV_BH_STRIDE + slot[:, None] * D + dims[None, :], mask=j_ok[:, None], other=0.0)
             logits = tl.dot(q, tl.trans(k)) * scaling
-            pos = tl.load(pos_ptr + bh * T + slot, mask=j_ok, other=0)
+            pos = tl.load(pos_ptr + bh * POS_BH_STRIDE + slot, mask=j_ok, other=0)
             allowed = causal_allowed(pos, qpos, j_ok, window, HAS_WINDOW)
             allowed = allowed | ((pos[None, :] == qpos[:, None]) & j_ok[None, :])
             if HAS_OK:  # after the self rule: padded index entries may repeat the current slot
                 ok = tl.load(ok_ptr + bh * K + j, mask=j_ok, other=0)
                 allowed = allowed & (ok[None, :] != 0)
             m_new, l_i, p, corr = softmax_step(m_i, l_i, tl.where(allowed, logits, float("-inf")))
-            v = tl.load(v_ptr + bh * T * D + slot[:, None] * D + dims[None, :], mask=j_ok[:, None], other=0.0)
+            v = tl.load(v_ptr + bh * KV_BH_STRIDE + slot[:, None] * D + dims[None, :], mask=j_ok[:, None], other=0.0)
             acc = acc * corr[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
         store_partials(m_out, l_out, acc_out, bh, split, N_SPLITS, m_i, l_i, acc, M_PAD, D)
@@ -55,13 +55,28 @@ if triton is not None:
 
 def sparse_attention_triton(query, keys, values, indices, index_valid, key_positions, query_positions, scaling,
                             sliding_window=None, softcap=None, block_t: int = 64, target_programs: int = 512):
-    from .online_softmax import finish, merge_splits
+    from .online_softmax import finish
+
+    return finish(sparse_attention_state_triton(query, keys, values, indices, index_valid, key_positions,
+                                                query_positions, scaling, sliding_window, softcap, block_t,
+                                                target_programs), query)
+
+
+def sparse_attention_state_triton(query, keys, values, indices, index_valid, key_positions, query_positions,
+                                  scaling, sliding_window=None, softcap=None, block_t: int = 64,
+                                  target_programs: int = 512):
+    """Online-softmax state, as `sparse_attention_state_reference`. keys/values are [B, Hkv, T, D], or one
+    flat store [N, D] shared by every (row, head) with key_positions [N] (ragged storage: indices are then
+    absolute slot numbers into the store)."""
+    from .online_softmax import merge_splits
 
     if softcap is not None:
         raise ValueError("softcap is not supported by the Triton sparse kernel; use the reference")
     assert available()
     batch, hq, rows, dim = query.shape
-    hkv, length = keys.shape[1], keys.shape[2]
+    hkv = indices.shape[1]
+    flat = keys.dim() == 2
+    kv_stride, pos_stride = (0, 0) if flat else (keys.shape[2] * dim, keys.shape[2])
     g = hq // hkv
     m_rows = g * rows
     m_pad = max(16, triton.next_power_of_2(m_rows))
@@ -73,8 +88,9 @@ def sparse_attention_triton(query, keys, values, indices, index_valid, key_posit
     _sparse_attn_kernel[(batch * hkv, splits)](
         query.reshape(batch * hkv, m_rows, dim).contiguous(), keys.contiguous(), values.contiguous(), idx, ok,
         key_positions.to(torch.int32).contiguous(), query_positions.to(torch.int32).contiguous(),
-        m_part, l_part, acc_part, length, n_idx, split_len, splits, float(scaling), int(sliding_window or 0),
+        m_part, l_part, acc_part, kv_stride, pos_stride, n_idx, split_len, splits, float(scaling),
+        int(sliding_window or 0),
         M=m_rows, M_PAD=m_pad, R=rows, D=dim, BLOCK_T=block_t, HAS_OK=index_valid is not None,
         HAS_WINDOW=sliding_window is not None,
     )
-    return finish(merge_splits(m_part, l_part, acc_part, (batch, hkv, g, rows), dim), query)
+    return merge_splits(m_part, l_part, acc_part, (batch, hkv, g, rows), dim)

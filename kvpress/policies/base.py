@@ -22,6 +22,7 @@ from typing import ClassVar
 import torch
 
 from ..kernels import attention_probs, attention_column_sums
+from .allocation import adaptive_head_budgets, pyramid_budgets, validate_allocation
 
 
 # ---------------------------------------------------------------------------- context
@@ -37,14 +38,18 @@ class Context:
     softcap: float | None = None
     sliding_window: int | None = None
     rotary_inv_freq: torch.Tensor | None = None  # for policies that re-rotate keys (cache-local positions)
+    num_layers: int | None = None  # decoder layers of the model (layer-wise budget allocation)
+    # [B] real tokens of the whole prompt while a chunked prefill runs (budgets follow the prompt, not the chunk)
+    prompt_tokens: torch.Tensor | None = None
 
     @property
     def keys(self) -> torch.Tensor:
-        return self.layer.keys
+        """Full-precision keys [B, Hkv, T, D] over the layer's padded view (see KVPressLayer.keys_view)."""
+        return self.layer.keys_view()
 
     @property
     def values(self) -> torch.Tensor:
-        return self.layer.values
+        return self.layer.values_view()
 
     @property
     def q_len(self) -> int:
@@ -52,7 +57,7 @@ class Context:
 
     @property
     def group_size(self) -> int:
-        return self.query.shape[1] // self.keys.shape[1]
+        return self.query.shape[1] // self.layer.num_kv_heads
 
     @property
     def layer_idx(self) -> int:
@@ -61,7 +66,7 @@ class Context:
     def query_positions(self, last: int | None = None) -> torch.Tensor:
         """Raw positions of the (last `last`) query rows of this forward."""
         last = self.q_len if last is None else last
-        return torch.arange(self.layer.seen - last, self.layer.seen, device=self.keys.device)
+        return torch.arange(self.layer.seen - last, self.layer.seen, device=self.query.device)
 
     def key_logits(self, query: torch.Tensor, upto: int | None = None) -> torch.Tensor:
         """fp32 logits [B, Hkv, g, r, upto] of query rows against the stored slots (dense or quantized)."""
@@ -72,13 +77,13 @@ class Context:
         same causal / padding / sliding-window masking the model's attention used."""
         last = self.q_len if last is None else last
         return attention_probs(self.key_logits, self.query[:, :, -last:], self.query_positions(last),
-                               self.layer.key_positions(), self.layer.valid, self.sliding_window)
+                               self.layer.key_positions(), self.layer.key_valid_or_none(), self.sliding_window)
 
     def attention_column_sums(self) -> torch.Tensor:
         """Attention received by each slot, summed over all query rows of this forward: [B, Hq, T] (fp32).
         Computed in query chunks, so a long prompt never materialises its full attention matrix."""
         return attention_column_sums(self.key_logits, self.query, self.query_positions(),
-                                     self.layer.key_positions(), self.layer.valid, self.sliding_window)
+                                     self.layer.key_positions(), self.layer.key_valid_or_none(), self.sliding_window)
 
     def to_kv_heads(self, per_query_head: torch.Tensor, reduce: str = "mean") -> torch.Tensor:
         """[B, Hq, ...] -> [B, Hkv, ...] by reducing each GQA group (design invariant 6)."""
@@ -192,9 +197,29 @@ class BudgetPolicy(Policy):
 
 @dataclass
 class ScorerPolicy(BudgetPolicy):
-    """Scores every stored slot; shared code keeps the best `budget` per row and KV head."""
+    """Scores every stored slot; shared code keeps the best `budget` per row and KV head.
 
+    Generic options, for every scorer:
+      budget_allocation  'uniform' (same budget everywhere), 'pyramid' (PyramidKV: per layer, `pyramid_beta`),
+                         'adaptive' (AdaKV: per head, one top-k over the layer, each head's floor `head_floor`
+                         x the mean per-head budget); see allocation.py
+      decode_budget      tokens generated after the prompt that may stay (SCOPE-style): the prompt keeps its
+                         prefill budget, generated tokens are cut to this budget at every decode step (the newest
+                         half always stays, the rest by the policy's score at that step); None: no cap (or,
+                         for policies that evict while decoding, one budget for prompt and output together)
+    """
+
+    budget_allocation: str = "uniform"
+    head_floor: float = 0.2
+    pyramid_beta: float = 20.0
+    decode_budget: int | None = None
     evicts_during_decode: ClassVar[bool] = False
+
+    def validate(self) -> None:
+        super().validate()
+        validate_allocation(self.name, self.budget_allocation, self.head_floor, self.pyramid_beta)
+        if self.decode_budget is not None and (not isinstance(self.decode_budget, int) or self.decode_budget < 1):
+            raise ValueError(f"{self.name}: decode_budget={self.decode_budget!r}; allowed values: None or an int >= 1")
 
     def score(self, ctx: Context) -> torch.Tensor:
         """[B, Hkv, T] importance of each stored slot (higher = keep)."""
@@ -204,13 +229,24 @@ class ScorerPolicy(BudgetPolicy):
         """[B, Hkv, T] slots kept whatever their score (at most n_keep per row/head)."""
         return None
 
+    def layer_budget(self, ctx: Context) -> torch.Tensor:
+        """[B] tokens per KV head this layer may keep, from the prompt's real token count."""
+        n_real = ctx.prompt_tokens if ctx.prompt_tokens is not None else ctx.layer.key_valid()[:, 0].sum(-1)
+        budget = self.row_budget(n_real.to(ctx.query.device))
+        if self.budget_allocation == "pyramid" and ctx.num_layers:
+            window = getattr(self, "window_size", 0)
+            budget = pyramid_budgets(budget, n_real, ctx.num_layers, window, self.pyramid_beta)[ctx.layer_idx]
+        return budget
+
     def on_prefill(self, ctx: Context) -> None:
-        n_real = ctx.layer.key_valid()[:, 0].sum(-1)
-        ctx.layer.row_budget = self.row_budget(n_real)
+        ctx.layer.row_budget = self.layer_budget(ctx)
+        ctx.layer.decode_start = ctx.layer.seen
         self.compress(ctx, self.score(ctx))
 
     def on_decode(self, ctx: Context) -> None:
-        if self.evicts_during_decode:
+        if self.decode_budget is not None:
+            self.compress_generated(ctx)
+        elif self.evicts_during_decode:
             self.compress(ctx, self.score(ctx))
 
     def compress(self, ctx: Context, scores: torch.Tensor) -> None:
@@ -220,5 +256,25 @@ class ScorerPolicy(BudgetPolicy):
         n_keep = torch.minimum(layer.row_budget[:, None].to(n_valid), n_valid)
         if bool((n_keep == n_valid).all()) and layer.stored == int(n_keep.max()):
             return  # within budget and already rectangular: nothing to free
-        indices, keep_valid = select_kept(scores, valid, n_keep, self.protected(ctx, n_keep))
-        layer.keep(indices, keep_valid)
+        protected = self.protected(ctx, n_keep)
+        if self.budget_allocation == "adaptive":
+            n_keep, scores = adaptive_head_budgets(scores, valid, n_keep, protected, self.head_floor)
+            protected = None  # folded into the priorities
+        layer.keep(*select_kept(scores, valid, n_keep, protected))
+
+    def compress_generated(self, ctx: Context) -> None:
+        """Hold generated tokens (position >= the prompt's end) to decode_budget; prompt slots stay."""
+        layer = ctx.layer
+        valid = layer.key_valid()
+        generated = valid & (layer.key_positions() >= getattr(layer, "decode_start", 0))
+        n_generated = generated.sum(-1)
+        over = bool((n_generated > self.decode_budget).any())
+        if not over and not self.evicts_during_decode:
+            return  # (policies that accumulate state score every step, below)
+        scores = self.score(ctx)
+        if not over:
+            return
+        budget = torch.minimum(n_generated, torch.full_like(n_generated, self.decode_budget))
+        recent = last_valid(generated, budget - budget // 2)
+        prompt = valid & ~generated
+        layer.keep(*select_kept(scores, valid, prompt.sum(-1) + budget, prompt | recent))

@@ -21,6 +21,11 @@ class Composed(Policy):
         if self.evictor.selects:
             raise ValueError(f"{self.evictor.name}: sparse reads over low-bit storage are not supported; "
                              f"allowed: {self.evictor.name} alone, or an eviction policy + {self.codec.name}")
+        if getattr(self.evictor, "budget_allocation", "uniform") == "adaptive":
+            raise ValueError(
+                f"{self.evictor.name}: budget_allocation='adaptive' gives heads different token counts, and the "
+                f"codec {self.codec.name!r} needs rectangular heads; allowed values: budget_allocation='uniform' "
+                f"or 'pyramid'")
         if getattr(self.evictor, "cache_local_positions", False):
             raise ValueError(
                 f"{self.evictor.name}: cache_local_positions=True re-rotates full-precision keys and cannot combine "

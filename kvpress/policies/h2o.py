@@ -33,8 +33,10 @@ class H2O(ScorerPolicy):
         # Accumulate this forward's attention into the per-slot state the layer carries between steps.
         received = ctx.to_kv_heads(ctx.attention_column_sums(), "sum")
         layer = ctx.layer
-        layer.slot_state[_STATE] = layer.slot_state.get(_STATE, torch.zeros_like(received)) + received
-        return layer.slot_state[_STATE]
+        accumulated = layer.get_state(_STATE)
+        accumulated = received if accumulated is None else accumulated + received
+        layer.set_state(_STATE, accumulated)
+        return accumulated
 
     def on_extend(self, ctx: Context) -> None:
         self.score(ctx)  # keep accumulating; extension forwards never evict

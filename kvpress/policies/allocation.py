@@ -1,0 +1,81 @@
+"""Budget allocation: how a scorer policy's budget is spread over layers and heads (generic, any scorer).
+
+uniform   every layer and KV head keeps the same budget (the default).
+pyramid   PyramidKV (Cai et al. 2024): lower layers keep more, higher layers fewer, on a linear ramp (the top
+          layer keeps (C - w) / beta + w for a mean budget C and window w); the sum over layers equals uniform's.
+adaptive  AdaKV (Feng et al. 2024): inside a layer, one top-k over the scores of all its KV heads picks the
+          layer's total, so heads whose attention is spread out keep more; each head first keeps its own
+          top `floor` x (mean per-head budget), the safeguard against starving a head.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+ALLOCATIONS = ("uniform", "pyramid", "adaptive")
+
+
+def validate_allocation(owner: str, allocation, floor, beta) -> None:
+    if allocation not in ALLOCATIONS:
+        raise ValueError(f"{owner}: budget_allocation={allocation!r} is unknown; allowed values: {list(ALLOCATIONS)}")
+    if not isinstance(floor, (int, float)) or not 0.0 <= float(floor) <= 1.0:
+        raise ValueError(
+            f"{owner}: head_floor={floor!r} is a fraction of the mean per-head budget; a floor above the mean "
+            f"budget cannot be met by every head; allowed values: a float in [0, 1]")
+    if not isinstance(beta, (int, float)) or float(beta) <= 1.0:
+        raise ValueError(f"{owner}: pyramid_beta={beta!r}; allowed values: a number > 1")
+
+
+def pyramid_budgets(mean_budget: torch.Tensor, n_real: torch.Tensor, n_layers: int, window: int,
+                    beta: float) -> torch.Tensor:
+    """[n_layers, B] tokens per KV head in each layer; per row the sum over layers is n_layers * mean_budget.
+
+    PyramidKV's ramp (KVCache-Factory's PyramidKVCluster): with C the mean per-layer budget and w the window
+    kept apart, the selected part runs from max = 2(C-w) - min at layer 0 down to min = (C-w)/beta at the top;
+    max is clipped to the prompt (L - w) and min recomputed so the total holds. Rounded so sums stay exact."""
+    rows = []
+    for c, length in zip(mean_budget.tolist(), n_real.tolist()):
+        base = c - window
+        if n_layers == 1 or base <= 0 or length <= c:
+            rows.append([float(c)] * n_layers)
+            continue
+        low = max(base / beta, 1.0)  # every layer keeps at least one selected token
+        high = 2 * base - low
+        if high > length - window:
+            high = length - window
+            low = 2 * base - high
+        step = (high - low) / (n_layers - 1)
+        rows.append([high - i * step + window for i in range(n_layers)])
+    exact = torch.tensor(rows, dtype=torch.float64).T  # [n_layers, B]
+    budgets = exact.floor()
+    # hand the rounding remainder to the layers that lost the largest fractions, so each row sums exactly
+    short = (mean_budget.double() * n_layers - budgets.sum(0)).round().long()
+    order = (exact - budgets).argsort(dim=0, descending=True, stable=True)
+    rank = torch.empty_like(order)
+    rank.scatter_(0, order, torch.arange(n_layers)[:, None].expand_as(order))
+    budgets += (rank < short[None, :]).double()
+    return budgets.long().clamp(min=1).to(mean_budget.device)
+
+
+def adaptive_head_budgets(scores: torch.Tensor, valid: torch.Tensor, n_keep: torch.Tensor,
+                          protected: torch.Tensor | None, floor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """AdaKV: ([B, Hkv] tokens each head keeps, [B, Hkv, T] priorities to pick them by), so that a row keeps
+    n_keep.sum(heads) in all (the uniform total) and each head's pick is exactly its share of the layer top-k.
+
+    Protected slots and each head's top floor*n_keep (NVIDIA kvpress's exact-total form of AdaKV's
+    round(n(1-a) + a*B) safeguard) are taken first; one top-k over every head's remaining scores fills the
+    rest of the layer's total."""
+    s = scores.float().masked_fill(~valid, -math.inf)
+    if protected is not None:
+        s = s.masked_fill(protected & valid, math.inf)
+    n_floor = torch.floor(n_keep.double() * floor).long()
+    # rank inside each head, protected first; the floor slots become protected too
+    rank = s.argsort(dim=-1, descending=True, stable=True).argsort(-1)
+    s = s.masked_fill((rank < n_floor[..., None]) & valid, math.inf)
+    batch, heads, width = s.shape
+    total = n_keep.sum(-1)  # [B]
+    flat_rank = s.reshape(batch, -1).argsort(dim=-1, descending=True, stable=True).argsort(-1)
+    chosen = (flat_rank < total[:, None]).reshape(batch, heads, width) & valid
+    return chosen.sum(-1), s

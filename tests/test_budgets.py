@@ -1,0 +1,292 @@
+"""Issue 6: ragged per-head storage, budget allocators (uniform / pyramid / adaptive), chunked prefill, decode budget."""
+
+import math
+
+import pytest
+import torch
+
+import kvpress
+from kvpress import KVPressCache, KVPressLayer
+from kvpress.cache.ragged import RaggedSegment
+from kvpress.kernels import triton_sparse
+from kvpress.kernels.ragged_attention import ragged_attention
+from kvpress.policies.allocation import adaptive_head_budgets, pyramid_budgets
+
+from conftest import greedy, tiny_model
+
+
+# ---------------------------------------------------------------------------- ragged storage
+def _ragged_layer(batch, heads, length, dim, n_new, seed, dtype=torch.float32):
+    """A layer whose heads keep random, different subsets of `length` prompt tokens, then `n_new` appended.
+    Returns (layer, the full K/V, kept mask over every token seen)."""
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randn(batch, heads, length + n_new, dim, generator=g).to(dtype)
+    values = torch.randn(batch, heads, length + n_new, dim, generator=g).to(dtype)
+    layer = KVPressLayer()
+    layer.update(keys[:, :, :length], values[:, :, :length])
+    n_keep = torch.randint(1, length + 1, (batch, heads), generator=g)
+    n_keep[0, 0], n_keep[0, -1] = length, 1  # one head keeps everything, another one token
+    scores = torch.rand(batch, heads, length, generator=g)
+    kept = torch.zeros(batch, heads, length + n_new, dtype=torch.bool)
+    order = scores.argsort(-1, descending=True)
+    width = int(n_keep.max())
+    indices = order[..., :width]
+    keep_valid = torch.arange(width) < n_keep[..., None]
+    kept[..., :length].scatter_(-1, indices, keep_valid)
+    layer.keep(indices, keep_valid)
+    if n_new:
+        layer.update(keys[:, :, length:], values[:, :, length:])
+    kept[..., length:] = True
+    return layer, keys, values, kept
+
+
+def _dense_masked_attention(query, keys, values, kept, query_positions, scaling):
+    """Independent reference: plain softmax attention over every token, removed ones and the future masked."""
+    batch, hq, rows, dim = query.shape
+    hkv = keys.shape[1]
+    k = keys.repeat_interleave(hq // hkv, 1).double()
+    v = values.repeat_interleave(hq // hkv, 1).double()
+    logits = query.double() @ k.transpose(-1, -2) * scaling
+    positions = torch.arange(keys.shape[2])
+    allowed = kept.repeat_interleave(hq // hkv, 1)[:, :, None, :] & (positions[None, :] <= query_positions[:, None])
+    logits = logits.masked_fill(~allowed, -math.inf)
+    return (logits.softmax(-1) @ v).to(query.dtype)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_ragged_attention_equals_dense_attention_with_removed_tokens_masked(seed):
+    g = torch.Generator().manual_seed(100 + seed)
+    batch, hkv, group = int(torch.randint(1, 3, (1,), generator=g)), int(torch.randint(2, 4, (1,), generator=g)), 2
+    length, n_new, rows, dim = int(torch.randint(5, 60, (1,), generator=g)), int(torch.randint(0, 5, (1,), generator=g)), 1, 16
+    layer, keys, values, kept = _ragged_layer(batch, hkv, length, dim, n_new, seed)
+    assert layer.ragged is not None and layer.keys.shape[2] == n_new
+    seen = length + n_new
+    for rows in (1, min(3, seen)):
+        qpos = torch.arange(seen - rows, seen)
+        query = torch.randn(batch, hkv * group, rows, dim, generator=g)
+        expected = _dense_masked_attention(query, keys, values, kept, qpos, dim ** -0.5)
+        got = ragged_attention(query, layer.ragged, layer.keys, layer.values, layer.positions, layer.valid, qpos,
+                               dim ** -0.5, use_triton=False)
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+        if triton_sparse.available():
+            got = ragged_attention(query, layer.ragged, layer.keys, layer.values, layer.positions, layer.valid, qpos,
+                                   dim ** -0.5, use_triton=True)
+            torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_ragged_storage_holds_exactly_the_kept_tokens():
+    layer, keys, _, kept = _ragged_layer(2, 3, 40, 16, 2, seed=1, dtype=torch.float16)
+    assert torch.equal(layer.tokens_per_head(), kept.sum(-1))
+    # every stored tensor owns exactly its bytes (no views of freed buffers), and nbytes() counts them all
+    tensors = layer._tensors()
+    assert layer.nbytes() == sum(t.untyped_storage().nbytes() for t in tensors)
+    kept_tokens = int(kept.sum())
+    assert layer.kv_nbytes() == kept_tokens * 2 * 16 * 2  # K and V, fp16, no padding anywhere
+    # the dense layout would need the widest head in every head
+    assert layer.kv_nbytes() < int(kept.sum(-1).max()) * 2 * 3 * 2 * 16 * 2
+    # the padded view reproduces each head's kept keys in position order
+    view, valid = layer.keys_view(), layer.key_valid()
+    for b in range(2):
+        for h in range(3):
+            torch.testing.assert_close(view[b, h][valid[b, h]], keys[b, h][kept[b, h]])
+
+
+def test_ragged_segment_round_trips_through_padding_and_batch_ops():
+    layer, *_ = _ragged_layer(3, 2, 30, 8, 0, seed=2)
+    seg = layer.ragged
+    _, ok = seg.index_grid()
+    again = RaggedSegment.from_padded(seg.padded(seg.keys), seg.padded(seg.values), seg.padded(seg.positions), ok)
+    assert torch.equal(again.keys, seg.keys) and torch.equal(again.lengths, seg.lengths)
+    before = layer.tokens_per_head().clone()
+    layer.batch_select_indices(torch.tensor([2, 0]))
+    assert torch.equal(layer.tokens_per_head(), before[[2, 0]])
+
+
+def test_ragged_layer_evicts_again_and_crops_its_residual():
+    layer, keys, values, kept = _ragged_layer(1, 2, 30, 8, 3, seed=3)
+    n = layer.tokens_per_head().clone()
+    layer.crop(-2)
+    assert torch.equal(layer.tokens_per_head(), n - 2)
+    valid = layer.key_valid()
+    scores = torch.rand(valid.shape)
+    from kvpress.policies.base import select_kept
+    n_keep = torch.minimum(torch.tensor([[9, 5]]), valid.sum(-1))
+    layer.keep(*select_kept(scores, valid, n_keep))
+    assert torch.equal(layer.tokens_per_head(), n_keep)
+    assert layer.kv_nbytes() == int(n_keep.sum()) * 2 * 8 * 4
+
+
+# ---------------------------------------------------------------------------- allocators
+def test_pyramid_budgets_sum_to_the_uniform_total_and_decrease():
+    for mean, length, layers, window in [(100, 1000, 30, 32), (50, 60, 4, 8), (7, 1000, 5, 0), (40, 41, 3, 32)]:
+        budgets = pyramid_budgets(torch.tensor([mean, mean // 2 + 1]), torch.tensor([length, length]), layers,
+                                  window, 20.0)
+        assert budgets.sum(0).tolist() == [layers * mean, layers * (mean // 2 + 1)]
+        assert bool((budgets[:-1] >= budgets[1:]).all())
+        assert bool((budgets <= length).all())
+
+
+def test_adaptive_budgets_keep_the_layer_total_respect_the_floor_and_pick_the_best_across_heads():
+    g = torch.Generator().manual_seed(0)
+    for trial in range(20):
+        batch, heads, width = 2, 4, 50
+        scores = torch.rand(batch, heads, width, generator=g) ** torch.tensor([1.0, 4.0, 8.0, 0.5])[:, None]
+        valid = torch.rand(batch, heads, width, generator=g) > 0.1
+        valid[..., -5:] = True
+        n_valid = valid.sum(-1)
+        n_keep = torch.minimum(torch.full_like(n_valid, 12), n_valid)
+        protected = torch.zeros_like(valid)
+        protected[..., -3:] = True  # a window
+        floor = [0.0, 0.2, 0.5, 1.0][trial % 4]
+        counts, priority = adaptive_head_budgets(scores, valid, n_keep, protected, floor)
+        assert torch.equal(counts.sum(-1), n_keep.sum(-1))
+        assert bool((counts >= torch.floor(n_keep * floor)).all())
+        from kvpress.policies.base import select_kept
+        indices, ok = select_kept(priority, valid, counts)
+        kept = torch.zeros_like(valid).scatter_(-1, indices, ok)
+        assert bool((kept & protected == protected).all())
+        # outside each head's protected + floor slots, every kept score >= every removed score of the layer
+        rank = scores.masked_fill(~valid, -1).masked_fill(protected, 2).argsort(-1, descending=True).argsort(-1)
+        free = ~protected & (rank >= torch.floor(n_keep * floor)[..., None])
+        for b in range(batch):
+            chosen = scores[b][kept[b] & free[b]]
+            removed = scores[b][~kept[b] & valid[b] & free[b]]
+            if chosen.numel() and removed.numel():
+                assert float(chosen.min()) >= float(removed.max())
+
+
+@pytest.mark.parametrize("policy", ["snapkv", "h2o", "tova", "knorm"])
+def test_allocators_on_a_model_keep_the_same_bytes_and_the_right_totals(policy):
+    model = tiny_model("llama")
+    ids = torch.randint(3, 128, (1, 120), generator=torch.Generator().manual_seed(0))
+    budget, layers, heads = 24, 2, 2  # 120 * (1 - 0.8)
+    kept, kv = {}, {}
+    for allocation in ("uniform", "pyramid", "adaptive"):
+        extra = dict(window_size=8) if policy == "snapkv" else {}
+        with kvpress.patch_model(model, policy, compression_ratio=0.8, budget_allocation=allocation, **extra):
+            cache = KVPressCache(model.config)
+            model(ids, past_key_values=cache)
+        kept[allocation] = torch.stack([layer.tokens_per_head()[0] for layer in cache.layers])  # [layers, heads]
+        kv[allocation] = sum(layer.kv_nbytes() for layer in cache.layers)
+        bytes_per_token = 2 * 16 * 4
+        assert kv[allocation] == int(kept[allocation].sum()) * bytes_per_token  # no padding, for every allocator
+    assert bool((kept["uniform"] == budget).all())
+    assert kept["adaptive"].sum(-1).tolist() == [heads * budget] * layers  # per layer
+    assert kept["pyramid"].sum().item() == layers * heads * budget  # over layers
+    assert kept["pyramid"][0, 0] > kept["pyramid"][1, 0]
+    assert kv["adaptive"] == kv["uniform"] == kv["pyramid"]
+
+
+def test_adaptive_decode_matches_dense_attention_over_the_kept_tokens():
+    """Greedy decode over a ragged (adaptive) cache equals the stock model reading, per head, only its kept K/V
+    (an independent path: eager attention with the removed tokens masked)."""
+    model = tiny_model("llama", attn="eager")
+    ids = torch.randint(3, 128, (1, 80), generator=torch.Generator().manual_seed(1))
+    with kvpress.patch_model(model, "snapkv", compression_ratio=0.7, budget_allocation="adaptive", window_size=4):
+        cache = KVPressCache(model.config)
+        out = model(ids, past_key_values=cache)
+        assert any(layer.ragged is not None for layer in cache.layers)
+        nxt = out.logits[:, -1:].argmax(-1)
+        logits = model(nxt, past_key_values=cache).logits[:, -1]
+    # reference: prompt + next token through the stock model; the prompt's own queries see every earlier token
+    # (prefill is exact), the new token's query sees only what each head kept
+    masks = []
+    for layer in cache.layers:
+        m = torch.zeros(1, 2, 81, dtype=torch.bool)
+        m.scatter_(-1, layer.key_positions().long(), layer.key_valid())
+        masks.append(m)
+
+    def masked_eager(module, query, key, value, attention_mask, scaling, **kw):
+        allowed = torch.ones(81, 81, dtype=torch.bool).tril().expand(1, 4, 81, 81).clone()
+        allowed[:, :, -1] = masks[module.layer_idx].repeat_interleave(2, 1)
+        k = key.repeat_interleave(2, 1)
+        v = value.repeat_interleave(2, 1)
+        w = (query @ k.transpose(-1, -2) * scaling).masked_fill(~allowed, -math.inf).softmax(-1)
+        return (w @ v).transpose(1, 2).contiguous(), None
+
+    from transformers import AttentionInterface
+    AttentionInterface.register("test_masked_eager", masked_eager)
+    model.set_attn_implementation("test_masked_eager")
+    try:
+        ref = model(torch.cat([ids, nxt], 1)).logits[:, -1]
+    finally:
+        model.set_attn_implementation("eager")
+    torch.testing.assert_close(logits, ref, atol=1e-4, rtol=1e-4)
+
+
+# ---------------------------------------------------------------------------- chunked prefill
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3", "phi3"])
+def test_chunked_prefill_with_none_equals_one_shot(arch):
+    model = tiny_model(arch)
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(3, 128, (2, 150), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :17] = 0  # a left-padded row
+    ref = greedy(model, ids, 12, attention_mask=mask)
+    with kvpress.patch_model(model, "none", prefill_chunk_size=40):
+        out = greedy(model, ids, 12, attention_mask=mask)
+    assert torch.equal(out, ref)
+    assert "forward" not in model.__dict__ and "generate" not in model.__dict__  # unpatch restored both
+
+
+def test_chunked_prefill_never_holds_more_than_budget_plus_one_chunk(monkeypatch):
+    model = tiny_model("llama")
+    ids = torch.randint(3, 128, (1, 300), generator=torch.Generator().manual_seed(3))
+    chunk, budget = 50, 30  # 300 * (1 - 0.9)
+    peak = []
+    real_update = KVPressLayer.update
+
+    def recording_update(self, *args, **kwargs):
+        out = real_update(self, *args, **kwargs)
+        peak.append(int(self.tokens_per_head().max()))
+        return out
+
+    monkeypatch.setattr(KVPressLayer, "update", recording_update)
+    with kvpress.patch_model(model, "snapkv", compression_ratio=0.9, window_size=8, prefill_chunk_size=chunk):
+        cache = KVPressCache(model.config)
+        model(ids, past_key_values=cache)
+    assert len(peak) == 2 * 6  # 2 layers x 6 chunks
+    assert max(peak) <= budget + chunk
+    assert all(int(layer.tokens_per_head().max()) == budget for layer in cache.layers)
+    # logits of the whole prompt are returned when the caller asks for them (logits_to_keep=0)
+    with kvpress.patch_model(model, "snapkv", compression_ratio=0.9, window_size=8, prefill_chunk_size=chunk):
+        out = model(ids, past_key_values=KVPressCache(model.config), logits_to_keep=0)
+        assert out.logits.shape[1] == 300
+
+
+# ---------------------------------------------------------------------------- decode budget
+def test_decode_budget_holds_over_1000_generated_tokens():
+    model = tiny_model("llama")
+    ids = torch.randint(3, 128, (1, 100), generator=torch.Generator().manual_seed(4))
+    prefill_budget, decode_budget = 25, 40
+    with kvpress.patch_model(model, "h2o", compression_ratio=0.75, decode_budget=decode_budget):
+        cache = KVPressCache(model.config)
+        logits = model(ids, past_key_values=cache).logits[:, -1]
+        worst = 0
+        for _ in range(1000):
+            logits = model(logits.argmax(-1, keepdim=True), past_key_values=cache).logits[:, -1]
+            worst = max(worst, max(int(layer.tokens_per_head().max()) for layer in cache.layers))
+    assert worst == prefill_budget + decode_budget
+    for layer in cache.layers:
+        positions = layer.key_positions()[layer.key_valid()]
+        assert int((positions < 100).sum()) == 2 * prefill_budget  # the prompt part never shrinks
+        assert int((positions >= 1000).sum()) > 0  # recent tokens stay
+    assert cache.layers[0].seen == 1100
+
+
+# ---------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(policy="snapkv", compression_ratio=0.5, budget_allocation="nope"), "budget_allocation='nope'.*allowed"),
+    (dict(policy="snapkv", compression_ratio=0.5, budget_allocation="adaptive", head_floor=1.5), "head_floor=1.5.*mean"),
+    (dict(policy="snapkv", compression_ratio=0.5, pyramid_beta=0.5), "pyramid_beta"),
+    (dict(policy="snapkv", compression_ratio=0.5, prefill_chunk_size=0), "prefill_chunk_size=0.*>= 1"),
+    (dict(policy="snapkv", compression_ratio=0.5, prefill_chunk_size=16), "prefill_chunk_size=16.*window_size=32"),
+    (dict(policy="snapkv+kivi", compression_ratio=0.5, budget_allocation="adaptive"), "adaptive.*rectangular"),
+    (dict(policy="h2o", compression_ratio=0.5, decode_budget=0), "decode_budget=0"),
+])
+def test_bad_budget_options_raise_before_the_model_is_touched(kwargs, match):
+    model = tiny_model("llama")
+    before = model.config._attn_implementation
+    with pytest.raises(ValueError, match=match):
+        kvpress.patch_model(model, **kwargs)
+    assert model.config._attn_implementation == before and "generate" not in model.__dict__
