@@ -38,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--subtasks", default=None,
                    help="comma list (ruler: default the 6-task suite, 'all' for every task; longbench: datasets)")
     p.add_argument("--lengths", default="2048,4096", help="prompt tokens (longbench: the truncation budget)")
-    p.add_argument("--policies", default="none,snapkv,h2o,streaming_llm", help="comma list of kvpress policies")
+    p.add_argument("--policies", default="none,snapkv,h2o,streaming_llm",
+                   help="comma list of kvpress policies; parameters after colons, e.g. snapkv:budget_allocation=adaptive")
     p.add_argument("--ratios", default="0.5,0.75,0.9", help="compression ratios (fraction of the KV removed)")
     p.add_argument("--modes", default="query_aware", help="query_aware and/or query_agnostic (comma list)")
     p.add_argument("--n", "--samples", dest="n", type=int, default=50,
@@ -138,7 +139,7 @@ def make_plan(args) -> Plan:
     from kvpress.policies.registry import get_policy_class, list_policies
 
     from . import longbench, ruler
-    from .engine import configs_for, takes_ratio
+    from .engine import Config, configs_for, parse_policy, takes_ratio
     from .runner import MODES
 
     if args.task not in SUITES:
@@ -148,12 +149,15 @@ def make_plan(args) -> Plan:
     if not policies:
         raise ValueError(f"--policies is empty; allowed values: a comma list of {list_policies()}")
     for policy in policies:
-        for part in policy.split("+"):
+        name, _ = parse_policy(policy)
+        for part in name.split("+"):
             try:
                 get_policy_class(part.strip())
             except ValueError:
                 raise ValueError(f"--policies: {policy!r} is unknown; allowed values: {list_policies()} "
-                                 f"(or an eviction policy + a codec, e.g. snapkv+kivi)") from None
+                                 f"(or an eviction policy + a codec, e.g. snapkv+kivi; parameters after colons, "
+                                 f"e.g. snapkv:budget_allocation=adaptive)") from None
+        Config(policy, 0.5).make()  # hyper-parameters are checked here, before any model loads
     ratios = _numbers("--ratios", args.ratios, float, 0.0, 1.0, "floats in [0, 1)")
     if not ratios and any(takes_ratio(p) for p in policies):
         raise ValueError("--ratios is empty; allowed values: a comma list of floats in [0, 1)")

@@ -17,6 +17,7 @@ select_kept, KVPressLayer state. tests/test_evals_engine.py checks every config 
 
 from __future__ import annotations
 
+import ast
 import copy
 import dataclasses
 import time
@@ -33,20 +34,38 @@ from kvpress.policies.base import ScorerPolicy, select_kept
 from kvpress.policies.registry import get_policy_class
 
 
+def parse_policy(spec: str) -> tuple[str, dict]:
+    """A policy spec: a name (or composition "snapkv+kivi"), optionally with hyper-parameters after colons,
+    e.g. "snapkv:budget_allocation=adaptive:window_size=16" -> ("snapkv", {...})."""
+    name, *params = spec.split(":")
+    out = {}
+    for item in params:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"policy {spec!r}: {item!r} is not key=value; allowed form: name:key=value:key=value")
+        try:
+            out[key.strip()] = ast.literal_eval(value.strip())
+        except (ValueError, SyntaxError):
+            out[key.strip()] = value.strip()  # a bare word, e.g. adaptive
+    return name.strip(), out
+
+
 def takes_ratio(policy: str) -> bool:
-    """Whether a policy name (or composition "snapkv+kivi") evicts to a budget; "none" and codecs do not."""
-    return any(get_policy_class(part.strip()).needs_budget for part in policy.split("+"))
+    """Whether a policy spec (or composition "snapkv+kivi") evicts to a budget; "none" and codecs do not."""
+    name, _ = parse_policy(policy)
+    return any(get_policy_class(part.strip()).needs_budget for part in name.split("+"))
 
 
 @dataclass(frozen=True)
 class Config:
-    policy: str
+    policy: str  # a policy spec (see parse_policy)
     ratio: float = 0.0  # fraction of the prompt removed; 0 for policies that take no budget
 
     def make(self) -> Policy:
+        name, params = parse_policy(self.policy)
         if takes_ratio(self.policy):
-            return resolve_policy(self.policy, compression_ratio=self.ratio)
-        return resolve_policy(self.policy)
+            return resolve_policy(name, compression_ratio=self.ratio, **params)
+        return resolve_policy(name, **params)
 
 
 def configs_for(policies: list[str], ratios: list[float]) -> list[Config]:
@@ -91,15 +110,16 @@ class FanOut(Policy):
             if shared:
                 base = clone_layer(ctx.layer)
                 scores = first.score(dataclasses.replace(ctx, layer=base))  # may add slot state (H2O)
-                n_real = ctx.layer.key_valid()[:, 0].sum(-1)
             shared_s = time.perf_counter() - start
             for c in group:
                 start = time.perf_counter()
                 policy = self.policies[c]
                 if shared:
                     layer = clone_layer(base)
-                    layer.row_budget = policy.row_budget(n_real)
-                    policy.compress(dataclasses.replace(ctx, layer=layer), scores)
+                    own = dataclasses.replace(ctx, layer=layer)
+                    layer.row_budget = policy.layer_budget(own)  # (per layer under budget_allocation='pyramid')
+                    layer.decode_start = layer.seen
+                    policy.compress(own, scores)
                 else:
                     layer = clone_layer(ctx.layer)
                     policy.on_prefill(dataclasses.replace(ctx, layer=layer))
@@ -271,8 +291,9 @@ def decode_batches(pre: Prefill, configs: list[Config]) -> list[tuple[list[Confi
     shared_keys = {}  # policy class -> the parameter set that rides in the shared Rows batch
     for c in configs:
         key = _params_key(made[c])
-        if any(getattr(layer, "quantized", None) is not None for layer in pre.caches[c].layers):
-            alone.append(c)  # low-bit storage: no row stacking here
+        if any(getattr(layer, "quantized", None) is not None or getattr(layer, "ragged", None) is not None
+               for layer in pre.caches[c].layers):
+            alone.append(c)  # low-bit or ragged per-head storage: no row stacking here
         elif _passive(made[c]):
             passive.append(c)
         elif _rowwise(made[c]) and shared_keys.setdefault(key[0], key) == key:

@@ -1,3 +1,4 @@
+import contextlib
 import functools
 import os
 
@@ -52,3 +53,24 @@ def smollm2():
 def greedy(model, ids, n, **kw):
     kw.setdefault("attention_mask", torch.ones_like(ids))
     return model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, **kw)
+
+
+@contextlib.contextmanager
+def record_held_tokens():
+    """Record, after every KVPressLayer.update, the most tokens any head of that layer holds (instrumentation
+    for "the cache never holds more than ..." checks). Yields the list it appends to."""
+    from kvpress import KVPressLayer
+
+    held = []
+    real_update = KVPressLayer.update
+
+    def recording_update(self, *args, **kwargs):
+        out = real_update(self, *args, **kwargs)
+        held.append(int(self.tokens_per_head().max()))
+        return out
+
+    KVPressLayer.update = recording_update
+    try:
+        yield held
+    finally:
+        KVPressLayer.update = real_update

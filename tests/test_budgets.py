@@ -12,7 +12,7 @@ from kvpress.kernels import triton_sparse
 from kvpress.kernels.ragged_attention import ragged_attention
 from kvpress.policies.allocation import adaptive_head_budgets, pyramid_budgets
 
-from conftest import greedy, tiny_model
+from conftest import greedy, record_held_tokens, tiny_model
 
 
 # ---------------------------------------------------------------------------- ragged storage
@@ -229,20 +229,12 @@ def test_chunked_prefill_with_none_equals_one_shot(arch):
     assert "forward" not in model.__dict__ and "generate" not in model.__dict__  # unpatch restored both
 
 
-def test_chunked_prefill_never_holds_more_than_budget_plus_one_chunk(monkeypatch):
+def test_chunked_prefill_never_holds_more_than_budget_plus_one_chunk():
     model = tiny_model("llama")
     ids = torch.randint(3, 128, (1, 300), generator=torch.Generator().manual_seed(3))
     chunk, budget = 50, 30  # 300 * (1 - 0.9)
-    peak = []
-    real_update = KVPressLayer.update
-
-    def recording_update(self, *args, **kwargs):
-        out = real_update(self, *args, **kwargs)
-        peak.append(int(self.tokens_per_head().max()))
-        return out
-
-    monkeypatch.setattr(KVPressLayer, "update", recording_update)
-    with kvpress.patch_model(model, "snapkv", compression_ratio=0.9, window_size=8, prefill_chunk_size=chunk):
+    with record_held_tokens() as peak, kvpress.patch_model(model, "snapkv", compression_ratio=0.9, window_size=8,
+                                                             prefill_chunk_size=chunk):
         cache = KVPressCache(model.config)
         model(ids, past_key_values=cache)
     assert len(peak) == 2 * 6  # 2 layers x 6 chunks
@@ -290,3 +282,13 @@ def test_bad_budget_options_raise_before_the_model_is_touched(kwargs, match):
     with pytest.raises(ValueError, match=match):
         kvpress.patch_model(model, **kwargs)
     assert model.config._attn_implementation == before and "generate" not in model.__dict__
+
+
+def test_self_speculation_over_an_adaptive_cache_is_lossless():
+    model = tiny_model("llama")
+    ids = torch.randint(3, 128, (1, 120), generator=torch.Generator().manual_seed(5))
+    with kvpress.patch_model(model, "snapkv", compression_ratio=0.6, budget_allocation="adaptive", window_size=8):
+        ref = greedy(model, ids, 16)
+        out = kvpress.speculative_generate(model, ids, draft="streaming_llm", gamma=3, max_new_tokens=16,
+                                           draft_budget=24)
+    assert torch.equal(out[:, :ref.shape[1]], ref)

@@ -11,11 +11,11 @@ from evals.engine import Rows, answer, configs_for, decode_batches, prefill
 POLICIES = ["none", "snapkv", "knorm", "random", "h2o", "tova", "streaming_llm", "kivi", "snapkv+kivi"]
 
 
-def _model():
+def _model(kv_heads: int = 1):
     torch.manual_seed(0)
     # head_dim 32 so that KIVI's default group size fits; no EOS, so every config decodes every step
     config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
+                         num_attention_heads=2, num_key_value_heads=kv_heads, max_position_embeddings=1024,
                          pad_token_id=0, bos_token_id=1, eos_token_id=None)
     model = LlamaForCausalLM(config).eval()
     model.generation_config.eos_token_id = None
@@ -60,13 +60,20 @@ def test_kept_slots_after_prefill_match_a_plain_prefill():
     ids = torch.randint(3, 128, (1, 230), generator=torch.Generator().manual_seed(2))
     configs = configs_for(["snapkv", "h2o", "tova", "streaming_llm", "knorm"], [0.3, 0.9])
     pre = prefill(model, ids, configs)
+    _assert_same_as_plain_prefill(model, ids, pre, configs)
+
+
+def _assert_same_as_plain_prefill(model, ids, pre, configs):
+    """Each config's cache from the shared prefill holds exactly what a plain patched prefill keeps."""
     for config in configs:
         cache = kvpress.KVPressCache(model.config)
         with kvpress.patch_model(model, config.make()), torch.no_grad():
             model(input_ids=ids, past_key_values=cache)
         for mine, ref in zip(pre.caches[config].layers, cache.layers):
             assert torch.equal(mine.key_positions(), ref.key_positions()), config
-            assert torch.equal(mine.keys, ref.keys) and torch.equal(mine.values, ref.values), config
+            assert torch.equal(mine.key_valid(), ref.key_valid()), config
+            assert torch.equal(mine.keys_view(), ref.keys_view()), config
+            assert torch.equal(mine.values_view(), ref.values_view()), config
         assert pre.caches[config].nbytes() == cache.nbytes()
 
 
@@ -74,3 +81,20 @@ def test_rows_rejects_two_parameter_sets_of_one_policy():
     h2o = kvpress.policies.resolve_policy("h2o", compression_ratio=0.5)
     with pytest.raises(AssertionError):
         Rows([h2o, kvpress.policies.resolve_policy("h2o", compression_ratio=0.5, recent=3)])
+
+
+def test_policy_specs_with_allocators_match_their_own_patched_runs():
+    """"name:key=value" specs reach the policy; pyramid budgets and adaptive (ragged) heads come out of the shared
+    prefill exactly as from a plain patched prefill, and decode the same tokens."""
+    model = _model(kv_heads=2)
+    ids = torch.randint(3, 128, (1, 230), generator=torch.Generator().manual_seed(3))
+    configs = configs_for(["snapkv:budget_allocation=adaptive:window_size=8", "h2o:budget_allocation=pyramid",
+                           "snapkv:budget_allocation=pyramid"], [0.6])
+    assert configs[0].make().budget_allocation == "adaptive" and configs[0].make().window_size == 8
+    pre = prefill(model, ids, configs)
+    _assert_same_as_plain_prefill(model, ids, pre, configs)
+    assert any(layer.ragged is not None for layer in pre.caches[configs[0]].layers)
+    for batch, policy in decode_batches(pre, configs):
+        tokens, _ = answer(model, pre, batch, policy, None, 6, set())
+        for config, got in zip(batch, tokens):
+            assert got == _alone(model, config, ids, None, 6), config

@@ -8,7 +8,7 @@ from kvpress import KVPressCache
 from kvpress.models import load
 from kvpress.needle import needle_prompt
 
-from conftest import greedy
+from conftest import greedy, record_held_tokens
 
 pytestmark = pytest.mark.real_model
 
@@ -89,3 +89,18 @@ def test_snapkv_half_cache_still_finds_the_needle_at_4k(smollm2):
     stats = kvpress.last_cache_stats(model)
     assert prompt.answer in answer
     assert all(row["kept_max"] <= prompt.n_tokens // 2 + 8 for row in stats["layers"])
+
+
+def test_chunked_prefill_keeps_an_early_needle_at_8k(smollm2):
+    """8K prompt fed in 1K chunks, SnapKV at 75% after every chunk: the needle (depth 0.1, so it has to survive
+    seven later compressions) is still answered, and no layer ever held more than budget + one chunk."""
+    model, tok = smollm2
+    prompt = needle_prompt(tok, 8000, depth=0.1, seed=3)
+    budget = prompt.n_tokens - int(prompt.n_tokens * 0.75)
+    with record_held_tokens() as peak, kvpress.patch_model(model, "snapkv", compression_ratio=0.75,
+                                                             prefill_chunk_size=1024):
+        answer = _answer(model, tok, prompt)
+    assert prompt.answer in answer
+    assert max(peak) <= budget + 1024
+    stats = kvpress.last_cache_stats(model)
+    assert all(row["kept_max"] <= budget + 16 for row in stats["layers"])  # + the generated tokens

@@ -296,7 +296,9 @@ class KVPressLayer(CacheLayerMixin):
         self.slot_state = {name: s.new_empty(batch, heads, 0) for name, s in self.slot_state.items()}
         self.aux = {}
 
-    def _to_rectangular(self) -> None:
+    def to_rectangular(self) -> None:
+        """Pad ragged heads back into the rectangular layout (invalid filler slots), for readers that index a
+        rectangle (low-bit codecs, read views). Costs the widest head's memory in every head."""
         states = {name: self.get_state(name) for name in self.slot_state}
         self.keys, self.values = self.keys_view(), self.values_view()
         self.positions, self.valid = self.key_positions().to(torch.int32), self.key_valid()
@@ -331,7 +333,7 @@ class KVPressLayer(CacheLayerMixin):
         if self.ragged is not None:
             # Low-bit groups span the same slots in every head: pad ragged heads back to a rectangle with invalid
             # fillers (only left-padded batch rows get here; per-head budgets + codec is refused at validation).
-            self._to_rectangular()
+            self.to_rectangular()
         start = self.quantized_len
         segment = encode(self.keys[:, :, :n], self.values[:, :, :n], self.key_valid()[..., start:start + n])
         self.quantized = segment if self.quantized is None else self.quantized.append(segment)

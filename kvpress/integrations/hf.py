@@ -71,12 +71,11 @@ def kvpress_attention(module, query, key, value, attention_mask, **kwargs):
     if selector is None and patch.policy.selects and phase != "prefill":
         selector = patch.policy
     precision = getattr(selector, "read_precision", None)
+    if layer.ragged is not None and selector is not None and selector.selects:
+        # Read views pick slots of a rectangle: pad ragged heads back (invalid fillers, the widest head's memory).
+        layer.to_rectangular()
     if layer.ragged is not None:
         # Heads hold different numbers of tokens, stored flat: the gather kernel reads each head's own run.
-        if selector is not None and selector.selects:
-            raise ValueError("read policies and self-speculative drafts need rectangular heads; this layer's heads "
-                             "keep different numbers of tokens (budget_allocation='adaptive', or left-padded rows); "
-                             "allowed: budget_allocation='uniform' or 'pyramid' with batch 1")
         out = ragged_attention(query, layer.ragged, layer.keys, layer.values, layer.positions, layer.valid,
                                ctx.query_positions(), ctx.scaling, ctx.sliding_window, ctx.softcap)
         out = (out.transpose(1, 2).contiguous(), None)
