@@ -177,6 +177,23 @@ def test_allocators_on_a_model_keep_the_same_bytes_and_the_right_totals(policy):
     assert kv["adaptive"] == kv["uniform"] == kv["pyramid"]
 
 
+def test_pyramid_spreads_the_budget_over_full_attention_layers_only():
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    from conftest import _COMMON
+
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(**{**_COMMON, "num_hidden_layers": 4}, head_dim=16, sliding_window=8,
+                              layer_types=["sliding_attention", "full_attention"] * 2)
+    model = Gemma3ForCausalLM(config).eval()
+    ids = torch.randint(3, 128, (1, 100), generator=torch.Generator().manual_seed(6))
+    with kvpress.patch_model(model, "snapkv", compression_ratio=0.8, budget_allocation="pyramid", window_size=4):
+        cache = KVPressCache(model.config)
+        model(ids, past_key_values=cache)
+    kept = [int(layer.tokens_per_head().max()) for _, layer in cache.kvpress_layers()]
+    assert sum(kept) == 2 * 20 and kept[0] > kept[1]
+
+
 def test_adaptive_decode_matches_dense_attention_over_the_kept_tokens():
     """Greedy decode over a ragged (adaptive) cache equals the stock model reading, per head, only its kept K/V
     (an independent path: eager attention with the removed tokens masked)."""

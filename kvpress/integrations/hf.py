@@ -64,7 +64,8 @@ def kvpress_attention(module, query, key, value, attention_mask, **kwargs):
         module=module, layer=layer, phase=phase, query=query,
         scaling=kwargs.get("scaling", getattr(module, "scaling", query.shape[-1] ** -0.5)),
         softcap=kwargs.get("softcap"), sliding_window=kwargs.get("sliding_window"),
-        rotary_inv_freq=binding.inv_freq, num_layers=patch.num_layers, prompt_tokens=prompt_tokens,
+        rotary_inv_freq=binding.inv_freq, prompt_tokens=prompt_tokens,
+        budget_layers=(patch.budget_layers.index(module.layer_idx), len(patch.budget_layers)),
     )
     # A read view: the cache's draft view during self-speculation, else a read policy after prefill.
     selector = cache.read_view
@@ -119,7 +120,11 @@ class Patch:
         self.base = base
         self.prefill_chunk_size = prefill_chunk_size
         text_config = model.config.get_text_config(decoder=True)
-        self.num_layers = getattr(text_config, "num_hidden_layers", None)
+        # layers whose cache kvpress compresses (hybrid models' sliding-window layers keep their own cache):
+        # layer-wise budgets (PyramidKV) are spread over these
+        layer_types = getattr(text_config, "layer_types", None) or ["full_attention"] * len(attention_modules)
+        every = [m.layer_idx for m in attention_modules]
+        self.budget_layers = [i for i in every if layer_types[i] != "sliding_attention"] or every
         self._handles = []
         self._previous = {name: model.__dict__.get(name, _ABSENT) for name in ("generate", "forward")}
         if base == "eager":

@@ -38,7 +38,8 @@ class Context:
     softcap: float | None = None
     sliding_window: int | None = None
     rotary_inv_freq: torch.Tensor | None = None  # for policies that re-rotate keys (cache-local positions)
-    num_layers: int | None = None  # decoder layers of the model (layer-wise budget allocation)
+    # (rank of this layer, number of layers) among the layers kvpress compresses, for layer-wise budgets
+    budget_layers: tuple[int, int] | None = None
     # [B] real tokens of the whole prompt while a chunked prefill runs (budgets follow the prompt, not the chunk)
     prompt_tokens: torch.Tensor | None = None
 
@@ -233,9 +234,10 @@ class ScorerPolicy(BudgetPolicy):
         """[B] tokens per KV head this layer may keep, from the prompt's real token count."""
         n_real = ctx.prompt_tokens if ctx.prompt_tokens is not None else ctx.layer.key_valid()[:, 0].sum(-1)
         budget = self.row_budget(n_real.to(ctx.query.device))
-        if self.budget_allocation == "pyramid" and ctx.num_layers:
+        if self.budget_allocation == "pyramid" and ctx.budget_layers is not None:
+            rank, n_layers = ctx.budget_layers
             window = getattr(self, "window_size", 0)
-            budget = pyramid_budgets(budget, n_real, ctx.num_layers, window, self.pyramid_beta)[ctx.layer_idx]
+            budget = pyramid_budgets(budget, n_real, n_layers, window, self.pyramid_beta)[rank]
         return budget
 
     def on_prefill(self, ctx: Context) -> None:
