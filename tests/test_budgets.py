@@ -309,3 +309,18 @@ def test_self_speculation_over_an_adaptive_cache_is_lossless():
         out = kvpress.speculative_generate(model, ids, draft="streaming_llm", gamma=3, max_new_tokens=16,
                                            draft_budget=24)
     assert torch.equal(out[:, :ref.shape[1]], ref)
+
+
+def test_masked_attention_in_query_blocks_equals_one_block(monkeypatch):
+    """A long chunk over a compacted layer runs its dense-mask attention in row blocks; same logits as one block."""
+    from kvpress.integrations import hf
+
+    model = tiny_model("llama")
+    ids = torch.randint(3, 128, (1, 700), generator=torch.Generator().manual_seed(7))
+    outs = []
+    for rows in (hf._MASK_ROWS, 10**9):
+        monkeypatch.setattr(hf, "_MASK_ROWS", rows)
+        with kvpress.patch_model(model, "snapkv", compression_ratio=0.5, window_size=8, prefill_chunk_size=300):
+            outs.append(model(ids, past_key_values=KVPressCache(model.config), logits_to_keep=0).logits)
+    assert outs[0].shape[1] == 700
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)

@@ -26,6 +26,7 @@ from ..kernels.sparse_attention import sparse_attention
 from ..policies import Context, Policy, resolve_policy
 
 SUPPORTED_BASES = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")
+_MASK_ROWS = 256  # query rows per block when attention needs kvpress's own dense mask
 _PREFIX = "kvpress_"
 
 _BINDINGS: "weakref.WeakKeyDictionary[torch.nn.Module, _Binding]" = weakref.WeakKeyDictionary()
@@ -156,8 +157,19 @@ class Patch:
         return self._base_fn(module, query, key, value, attention_mask, **kwargs)
 
     def attention_with_mask(self, module, query, key, value, ctx: Context, **kwargs):
-        """Base attention over a compacted layer, with the mask built from stored positions/validity."""
-        allowed = allowed_mask(ctx.query_positions(), ctx.layer.key_positions(), ctx.layer.valid, ctx.sliding_window)
+        """Base attention over a compacted layer, with the mask built from stored positions/validity. Long
+        queries (a chunked prefill's next chunk, a long extension) run in blocks of _MASK_ROWS rows, so the
+        dense [B, Hq, rows, T] mask and the base's attention weights stay small."""
+        positions = ctx.query_positions()
+        if query.shape[2] <= _MASK_ROWS:
+            return self._attention_with_mask(module, query, key, value, ctx, positions, **kwargs)
+        outs = [self._attention_with_mask(module, query[:, :, s:s + _MASK_ROWS], key, value, ctx,
+                                          positions[s:s + _MASK_ROWS], **kwargs)[0]
+                for s in range(0, query.shape[2], _MASK_ROWS)]
+        return torch.cat(outs, 1), None  # base outputs are [B, rows, Hq, D]
+
+    def _attention_with_mask(self, module, query, key, value, ctx, query_positions, **kwargs):
+        allowed = allowed_mask(query_positions, ctx.layer.key_positions(), ctx.layer.valid, ctx.sliding_window)
         allowed = allowed.repeat_interleave(ctx.group_size, dim=1)  # [B, Hq, q, T]
         if self.base == "eager":
             mask = torch.zeros(allowed.shape, dtype=query.dtype, device=query.device)
