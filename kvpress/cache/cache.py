@@ -40,9 +40,10 @@ class KVPressCache(Cache):
         # A read policy whose selection every kvpress layer reads instead of all its slots (the draft view
         # of self-speculative decoding); None: read everything.
         self.read_view = None
-        # [B] real tokens of the whole prompt while a chunked prefill runs (set by the patch's chunk loop): every
-        # chunk is then a prefill step and budgets follow the prompt; None otherwise.
-        self.chunked_prompt_tokens: torch.Tensor | None = None
+        # While a chunked prefill runs (set by the patch's chunk loop): (real tokens of the whole prompt per row
+        # [B], the prompt's padded length). Every chunk is then a prefill step and budgets follow the whole
+        # prompt; None otherwise.
+        self.chunked_prompt: tuple[torch.Tensor, int] | None = None
 
     def set_attention_mask(self, attention_mask: torch.Tensor | None) -> None:
         """Record the 2-D padding mask [B, seen + q_len] of the forward about to run (set by the patch's

@@ -299,11 +299,11 @@ class KVPressLayer(CacheLayerMixin):
     def to_rectangular(self) -> None:
         """Pad ragged heads back into the rectangular layout (invalid filler slots), for readers that index a
         rectangle (low-bit codecs, read views). Costs the widest head's memory in every head."""
-        states = {name: self.get_state(name) for name in self.slot_state}
-        self.keys, self.values = self.keys_view(), self.values_view()
-        self.positions, self.valid = self.key_positions().to(torch.int32), self.key_valid()
+        # every view first: each one reads the current split between the ragged and rectangular parts
+        views = (self.keys_view(), self.values_view(), self.key_positions().to(torch.int32), self.key_valid(),
+                 {name: self.get_state(name) for name in self.slot_state})
+        self.keys, self.values, self.positions, self.valid, self.slot_state = views
         self.ragged = None
-        self.slot_state = states
         self.aux = {}
 
     def _keep_segments(self, indices, keep_valid):

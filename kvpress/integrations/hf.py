@@ -56,7 +56,7 @@ def kvpress_attention(module, query, key, value, attention_mask, **kwargs):
 
     past = layer.seen - layer.last_q_len
     # Every chunk of a chunked prefill is a prefill step: the policy compresses after each one.
-    prompt_tokens = cache.chunked_prompt_tokens
+    prompt_tokens, prompt_length = cache.chunked_prompt or (None, None)
     if past == 0 or prompt_tokens is not None:
         phase = "prefill"
     else:
@@ -65,7 +65,7 @@ def kvpress_attention(module, query, key, value, attention_mask, **kwargs):
         module=module, layer=layer, phase=phase, query=query,
         scaling=kwargs.get("scaling", getattr(module, "scaling", query.shape[-1] ** -0.5)),
         softcap=kwargs.get("softcap"), sliding_window=kwargs.get("sliding_window"),
-        rotary_inv_freq=binding.inv_freq, prompt_tokens=prompt_tokens,
+        rotary_inv_freq=binding.inv_freq, prompt_tokens=prompt_tokens, prompt_length=prompt_length,
         budget_layers=(patch.budget_layers.index(module.layer_idx), len(patch.budget_layers)),
     )
     # A read view: the cache's draft view during self-speculation, else a read policy after prefill.
@@ -250,11 +250,12 @@ _PER_TOKEN_INPUTS = ("input_ids", "inputs_embeds", "position_ids", "token_type_i
 
 def _chunked_prefill(forward, cache, chunk, batch, length, mask, logits_to_keep, kwargs):
     """Feed the prompt `chunk` tokens at a time; after each chunk every kvpress layer runs the policy's prefill
-    hook, so the cache holds at most budget + one chunk. Budgets follow the whole prompt's length. Returns
+    hook, so the cache holds at most budget + one chunk. Budgets follow the whole prompt's length (see
+    ScorerPolicy.on_prefill for how each chunk is cut). Returns
     the last forward's output, with the logits the caller asked for (logits_to_keep: 0 = all)."""
     real = mask.sum(-1) if mask is not None else torch.full((batch,), length)
     device = next(t for t in (kwargs.get("input_ids"), kwargs.get("inputs_embeds")) if t is not None).device
-    cache.chunked_prompt_tokens = real.to(device)
+    cache.chunked_prompt = (real.to(device), length)
     logits = []
     try:
         for start in range(0, length, chunk):
@@ -276,7 +277,7 @@ def _chunked_prefill(forward, cache, chunk, batch, length, mask, logits_to_keep,
             if wanted > 0:
                 logits.append(out.logits)
     finally:
-        cache.chunked_prompt_tokens = None
+        cache.chunked_prompt = None
     out.logits = torch.cat(logits, 1) if len(logits) > 1 else logits[0]
     return out
 

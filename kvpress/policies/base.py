@@ -40,8 +40,10 @@ class Context:
     rotary_inv_freq: torch.Tensor | None = None  # for policies that re-rotate keys (cache-local positions)
     # (rank of this layer, number of layers) among the layers kvpress compresses, for layer-wise budgets
     budget_layers: tuple[int, int] | None = None
-    # [B] real tokens of the whole prompt while a chunked prefill runs (budgets follow the prompt, not the chunk)
+    # While a chunked prefill runs: real tokens of the whole prompt per row [B], and its padded length (budgets
+    # follow the prompt, not the chunk); None otherwise
     prompt_tokens: torch.Tensor | None = None
+    prompt_length: int | None = None
 
     @property
     def keys(self) -> torch.Tensor:
@@ -241,9 +243,20 @@ class ScorerPolicy(BudgetPolicy):
         return budget
 
     def on_prefill(self, ctx: Context) -> None:
-        ctx.layer.row_budget = self.layer_budget(ctx)
-        ctx.layer.decode_start = ctx.layer.seen
-        self.compress(ctx, self.score(ctx))
+        layer = ctx.layer
+        layer.row_budget = self.layer_budget(ctx)
+        layer.decode_start = layer.seen
+        if ctx.prompt_tokens is None:
+            self.compress(ctx, self.score(ctx))
+            return
+        # Chunked prefill: tokens kept from earlier chunks stay, and this chunk adds its share of the budget,
+        # so after a chunk a row holds budget x (its real tokens seen / its prompt's real tokens). Re-judging
+        # earlier survivors by each later chunk's queries would favour recent tokens chunk after chunk (an early
+        # needle at 8K is lost that way at 75% on SmolLM2, but kept this way).
+        real_seen = (ctx.prompt_tokens - (ctx.prompt_length - layer.seen)).clamp(min=0)
+        share = torch.ceil(layer.row_budget * real_seen / ctx.prompt_tokens.clamp(min=1)).long()
+        earlier = layer.key_valid() & (layer.key_positions() < layer.seen - ctx.q_len)
+        self.compress(ctx, self.score(ctx), budget=share, keep=earlier)
 
     def on_decode(self, ctx: Context) -> None:
         if self.decode_budget is not None:
@@ -251,14 +264,20 @@ class ScorerPolicy(BudgetPolicy):
         elif self.evicts_during_decode:
             self.compress(ctx, self.score(ctx))
 
-    def compress(self, ctx: Context, scores: torch.Tensor) -> None:
+    def compress(self, ctx: Context, scores: torch.Tensor, budget: torch.Tensor | None = None,
+                 keep: torch.Tensor | None = None) -> None:
+        """Keep the best `budget` [B] slots per row and KV head (default: the layer's row budget); `keep`
+        [B, Hkv, T] marks slots kept before any other (with the policy's own protected slots)."""
         layer = ctx.layer
         valid = layer.key_valid()
         n_valid = valid.sum(-1)  # [B, Hkv]
-        n_keep = torch.minimum(layer.row_budget[:, None].to(n_valid), n_valid)
+        budget = layer.row_budget if budget is None else budget
+        n_keep = torch.minimum(budget[:, None].to(n_valid), n_valid)
         if bool((n_keep == n_valid).all()) and layer.stored == int(n_keep.max()):
             return  # within budget and already rectangular: nothing to free
         protected = self.protected(ctx, n_keep)
+        if keep is not None:
+            protected = keep if protected is None else protected | keep
         if self.budget_allocation == "adaptive":
             n_keep, scores = adaptive_head_budgets(scores, valid, n_keep, protected, self.head_floor)
             protected = None  # folded into the priorities
