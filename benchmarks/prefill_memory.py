@@ -6,6 +6,12 @@ run (the weights and one-time set-up); the kernel's high-water mark is reset the
 loading transients are not counted. On GPU it is torch.cuda.max_memory_allocated
 above the allocated bytes after loading.
 
+Children run with glibc's mmap threshold fixed (MALLOC_MMAP_THRESHOLD_, --mmap-threshold, default 64 KiB):
+by default glibc raises that threshold as large blocks are freed, then serves tensors from its heap and keeps
+freed ones there, so RSS counts memory the program no longer holds (a chunked prefill frees and reallocates
+every layer's cache each chunk). With the threshold fixed, freed tensors go back to the OS and peak RSS
+tracks live memory, like max_memory_allocated on GPU. `--mmap-threshold 0` measures the default allocator.
+
   python benchmarks/prefill_memory.py                       # SmolLM2, 2K/4K/8K, writes docs/results/prefill_memory
   python benchmarks/prefill_memory.py --lengths 8192 --chunk 1024 --ratio 0.9
   python benchmarks/prefill_memory.py --model random-8b --device cuda --dtype bfloat16 --lengths 16384,65536
@@ -109,6 +115,8 @@ def main(argv=None) -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default="docs/results/prefill_memory")
+    p.add_argument("--mmap-threshold", type=int, default=65536,
+                   help="MALLOC_MMAP_THRESHOLD_ for the measured processes; 0: glibc's default (dynamic)")
     p.add_argument("--mode", help=argparse.SUPPRESS)
     p.add_argument("--length", type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -122,7 +130,10 @@ def main(argv=None) -> None:
             cmd = [sys.executable, os.path.abspath(__file__), "--mode", mode, "--length", str(length)] + [
                 f"--{k}={v}" for k, v in dict(model=args.model, chunk=args.chunk, ratio=args.ratio, device=args.device,
                                               dtype=args.dtype, threads=args.threads).items()]
-            out = subprocess.run(cmd, capture_output=True, text=True)
+            env = dict(os.environ)
+            if args.mmap_threshold:
+                env["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
+            out = subprocess.run(cmd, capture_output=True, text=True, env=env)
             line = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")]
             if out.returncode or not line:
                 raise RuntimeError(f"{mode} at {length}: {out.stderr[-2000:]}")
@@ -158,7 +169,7 @@ def _plot(rows, path, args) -> None:
         ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=mode)
     ax.set_xlabel("prompt tokens")
     ax.set_ylabel("peak memory above weights (MiB)")
-    ax.set_title(f"{args.model} prefill, {args.device}: snapkv at {args.ratio:.0%}, chunk {args.chunk}")
+    ax.set_title(f"{args.model} prefill, {args.device}: snapkv at {args.ratio:.0%}, chunk {args.chunk}", fontsize=10)
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
