@@ -25,20 +25,8 @@ import torch
 import kvpress
 from evals.cli import load_model, pick_device, resolve_model
 from evals.engine import configs_for
+from kvpress.demo import TokenClock
 from kvpress.needle import needle_prompt
-
-
-class _Clock:
-    """A generate() streamer that timestamps each emitted token (the first put() is the prompt)."""
-
-    def __init__(self):
-        self.stamps = []
-
-    def put(self, value):
-        self.stamps.append(time.perf_counter())
-
-    def end(self):
-        pass
 
 
 _LIBC = ctypes.CDLL("libc.so.6")
@@ -78,7 +66,7 @@ class PeakMemory:
 
 
 def measure(model, ids, config, new_tokens: int) -> dict:
-    clock = _Clock()
+    clock = TokenClock()
     with kvpress.patch_model(model, config.make()), PeakMemory(ids.device) as memory:
         start = time.perf_counter()
         model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,

@@ -117,8 +117,7 @@ class FanOut(Policy):
                 if shared:
                     layer = clone_layer(base)
                     own = dataclasses.replace(ctx, layer=layer)
-                    layer.row_budget = policy.layer_budget(own)  # (per layer under budget_allocation='pyramid')
-                    layer.decode_start = layer.seen
+                    policy.start_budget(own)
                     policy.compress(own, scores)
                 else:
                     layer = clone_layer(ctx.layer)

@@ -14,7 +14,7 @@ from kvpress.models import load
 from kvpress.needle import ANSWER_PREFIX, needle_prompt
 
 
-class _Clock:
+class TokenClock:
     """A generate() streamer that timestamps each emitted token (the first put() is the prompt)."""
 
     def __init__(self):
@@ -28,7 +28,7 @@ class _Clock:
 
 
 def run(model, tokenizer, prompt, policy, new_tokens, **params):
-    clock = _Clock()
+    clock = TokenClock()
     with kvpress.patch_model(model, policy, **params):
         start = time.perf_counter()
         out = model.generate(prompt.input_ids, attention_mask=torch.ones_like(prompt.input_ids),

@@ -215,8 +215,7 @@ class KVPressLayer(CacheLayerMixin):
             self.slot_state[name] = state
             return
         width = self.ragged_len
-        indices, ok = self.ragged.index_grid()
-        flat = state[..., :width][ok]
+        flat = state[..., :width][self.ragged.index_grid()[1]]
         # a new segment object: layers cloned by evals share the old one
         self.ragged = RaggedSegment(self.ragged.keys, self.ragged.values, self.ragged.positions,
                                     self.ragged.lengths, {**self.ragged.state, name: flat})
@@ -272,8 +271,7 @@ class KVPressLayer(CacheLayerMixin):
         from_ragged = slot < width
         src_rect = (head * rect + slot - width)[~from_ragged]
         if self.ragged is not None:
-            starts = self.ragged.lengths.flatten().cumsum(0) - self.ragged.lengths.flatten()
-            src_ragged = (starts[head] + slot)[from_ragged]
+            src_ragged = (self.ragged.starts().flatten()[head] + slot)[from_ragged]
 
         def pick(ragged_flat, rect_tensor):
             out = rect_tensor.new_zeros(slot.shape[0], *rect_tensor.shape[3:])

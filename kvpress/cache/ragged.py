@@ -30,13 +30,17 @@ class RaggedSegment:
     def num_tokens(self) -> int:
         return self.keys.shape[0]
 
+    def starts(self) -> torch.Tensor:
+        """[B, Hkv] offset of each (row, head)'s run in the flat tensors."""
+        flat = self.lengths.flatten()
+        return (flat.cumsum(0) - flat).view_as(self.lengths)
+
     def index_grid(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(indices [B, Hkv, W] into the flat tensors, ok [B, Hkv, W]); entries past a head's length are
         clamped to a real slot and marked not ok."""
         rank = torch.arange(self.width, device=self.lengths.device)
-        starts = (self.lengths.flatten().cumsum(0) - self.lengths.flatten()).view_as(self.lengths)
         ok = rank < self.lengths[..., None]
-        indices = (starts[..., None] + rank).clamp(max=max(self.num_tokens - 1, 0))
+        indices = (self.starts()[..., None] + rank).clamp(max=max(self.num_tokens - 1, 0))
         return torch.where(ok, indices, 0), ok
 
     def padded(self, flat: torch.Tensor, fill=0) -> torch.Tensor:

@@ -36,10 +36,12 @@ _LAST_STATS: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKe
 
 @dataclass
 class _Binding:
-    """Per attention module: its patch, its rotary frequencies, and the cache of the forward in flight."""
+    """Per attention module: its patch, its rotary frequencies, its (rank, count) among the layers whose budget
+    kvpress spreads, and the cache of the forward in flight."""
 
     patch: "Patch"
     inv_freq: torch.Tensor | None = None
+    budget_layer: tuple[int, int] | None = None
     cache: object = None
 
 
@@ -66,7 +68,7 @@ def kvpress_attention(module, query, key, value, attention_mask, **kwargs):
         scaling=kwargs.get("scaling", getattr(module, "scaling", query.shape[-1] ** -0.5)),
         softcap=kwargs.get("softcap"), sliding_window=kwargs.get("sliding_window"),
         rotary_inv_freq=binding.inv_freq, prompt_tokens=prompt_tokens, prompt_length=prompt_length,
-        budget_layers=(patch.budget_layers.index(module.layer_idx), len(patch.budget_layers)),
+        budget_layer=binding.budget_layer,
     )
     # A read view: the cache's draft view during self-speculation, else a read policy after prefill.
     selector = cache.read_view
@@ -125,7 +127,7 @@ class Patch:
         # layer-wise budgets (PyramidKV) are spread over these
         layer_types = getattr(text_config, "layer_types", None) or ["full_attention"] * len(attention_modules)
         every = [m.layer_idx for m in attention_modules]
-        self.budget_layers = [i for i in every if layer_types[i] != "sliding_attention"] or every
+        budget_layers = [i for i in every if layer_types[i] != "sliding_attention"] or every
         self._handles = []
         self._previous = {name: model.__dict__.get(name, _ABSENT) for name in ("generate", "forward")}
         if base == "eager":
@@ -142,7 +144,8 @@ class Patch:
             raise ValueError(f"{type(model).__name__} refused attn_implementation={name!r}; it cannot be patched")
 
         for module, inv_freq in zip(attention_modules, inv_freqs):
-            _BINDINGS[module] = _Binding(self, inv_freq)
+            rank = budget_layers.index(module.layer_idx) if module.layer_idx in budget_layers else None
+            _BINDINGS[module] = _Binding(self, inv_freq, None if rank is None else (rank, len(budget_layers)))
             self._handles.append(module.register_forward_pre_hook(_bind_cache, with_kwargs=True))
         self._handles.append(model.register_forward_pre_hook(_before_model_forward, with_kwargs=True))
         self._handles.append(model.register_forward_hook(_after_model_forward, with_kwargs=True))
@@ -251,8 +254,8 @@ _PER_TOKEN_INPUTS = ("input_ids", "inputs_embeds", "position_ids", "token_type_i
 def _chunked_prefill(forward, cache, chunk, batch, length, mask, logits_to_keep, kwargs):
     """Feed the prompt `chunk` tokens at a time; after each chunk every kvpress layer runs the policy's prefill
     hook, so the cache holds at most budget + one chunk. Budgets follow the whole prompt's length (see
-    ScorerPolicy.on_prefill for how each chunk is cut). Returns
-    the last forward's output, with the logits the caller asked for (logits_to_keep: 0 = all)."""
+    ScorerPolicy.on_prefill for how each chunk is cut). Returns the last forward's output, with the logits
+    the caller asked for (logits_to_keep: 0 = all)."""
     real = mask.sum(-1) if mask is not None else torch.full((batch,), length)
     device = next(t for t in (kwargs.get("input_ids"), kwargs.get("inputs_embeds")) if t is not None).device
     cache.chunked_prompt = (real.to(device), length)

@@ -39,7 +39,7 @@ class Context:
     sliding_window: int | None = None
     rotary_inv_freq: torch.Tensor | None = None  # for policies that re-rotate keys (cache-local positions)
     # (rank of this layer, number of layers) among the layers kvpress compresses, for layer-wise budgets
-    budget_layers: tuple[int, int] | None = None
+    budget_layer: tuple[int, int] | None = None
     # While a chunked prefill runs: real tokens of the whole prompt per row [B], and its padded length (budgets
     # follow the prompt, not the chunk); None otherwise
     prompt_tokens: torch.Tensor | None = None
@@ -236,16 +236,20 @@ class ScorerPolicy(BudgetPolicy):
         """[B] tokens per KV head this layer may keep, from the prompt's real token count."""
         n_real = ctx.prompt_tokens if ctx.prompt_tokens is not None else ctx.layer.key_valid()[:, 0].sum(-1)
         budget = self.row_budget(n_real.to(ctx.query.device))
-        if self.budget_allocation == "pyramid" and ctx.budget_layers is not None:
-            rank, n_layers = ctx.budget_layers
+        if self.budget_allocation == "pyramid" and ctx.budget_layer is not None:
+            rank, n_layers = ctx.budget_layer
             window = getattr(self, "window_size", 0)
             budget = pyramid_budgets(budget, n_real, n_layers, window, self.pyramid_beta)[rank]
         return budget
 
+    def start_budget(self, ctx: Context) -> None:
+        """Fix this layer's budget at prefill and mark where generated tokens will begin."""
+        ctx.layer.row_budget = self.layer_budget(ctx)
+        ctx.layer.decode_start = ctx.layer.seen
+
     def on_prefill(self, ctx: Context) -> None:
         layer = ctx.layer
-        layer.row_budget = self.layer_budget(ctx)
-        layer.decode_start = layer.seen
+        self.start_budget(ctx)
         if ctx.prompt_tokens is None:
             self.compress(ctx, self.score(ctx))
             return
@@ -287,7 +291,7 @@ class ScorerPolicy(BudgetPolicy):
         """Hold generated tokens (position >= the prompt's end) to decode_budget; prompt slots stay."""
         layer = ctx.layer
         valid = layer.key_valid()
-        generated = valid & (layer.key_positions() >= getattr(layer, "decode_start", 0))
+        generated = valid & (layer.key_positions() >= layer.decode_start)
         n_generated = generated.sum(-1)
         over = bool((n_generated > self.decode_budget).any())
         if not over and not self.evicts_during_decode:
