@@ -18,6 +18,7 @@ select_kept, KVPressLayer state. tests/test_evals_engine.py checks every config 
 from __future__ import annotations
 
 import ast
+import contextlib
 import copy
 import dataclasses
 import time
@@ -202,20 +203,30 @@ def stop_ids(model, tokenizer) -> set[int]:
 
 
 @torch.no_grad()
-def greedy(model, cache: KVPressCache, logits: torch.Tensor, max_new: int, stop: set[int]) -> list[list[int]]:
-    """Greedy tokens for each row, from the logits of the step before; a row stops at a stop token."""
-    rows = logits.shape[0]
-    tokens: list[list[int]] = [[] for _ in range(rows)]
-    done = [False] * rows
-    for step in range(max_new):
-        nxt = logits.argmax(-1)
-        for r in range(rows):
-            if not done[r]:
-                tokens[r].append(int(nxt[r]))
-                done[r] = int(nxt[r]) in stop
-        if all(done) or step == max_new - 1:
-            break
-        logits = model(input_ids=nxt[:, None], past_key_values=cache, use_cache=True).logits[:, -1].float()
+def greedy(model, cache: KVPressCache, logits: torch.Tensor, max_new: int, stop: set[int],
+           policy: Policy) -> list[list[int]]:
+    """Greedy tokens for each row, from the logits of the step before, decoding under `policy` (one row per
+    config). A row stops at a stop token and leaves the batch: its cache rows (and, under Rows, its policy) are
+    dropped, so rows that finish early cost nothing more."""
+    tokens: list[list[int]] = [[] for _ in range(logits.shape[0])]
+    active = list(range(logits.shape[0]))  # batch row -> config row
+    with contextlib.ExitStack() as patched:
+        patched.enter_context(kvpress.patch_model(model, policy))
+        for step in range(max_new):
+            nxt = logits.argmax(-1)
+            for i, row in enumerate(active):
+                tokens[row].append(int(nxt[i]))
+            going = [i for i, row in enumerate(active) if tokens[row][-1] not in stop]
+            if not going or step == max_new - 1:
+                break
+            if len(going) < len(active):
+                index = torch.tensor(going, device=nxt.device)
+                cache.batch_select_indices(index)
+                nxt, active = nxt[index], [active[i] for i in going]
+                if isinstance(policy, Rows):
+                    patched.close()
+                    patched.enter_context(kvpress.patch_model(model, Rows([policy.policies[r] for r in active])))
+            logits = model(input_ids=nxt[:, None], past_key_values=cache, use_cache=True).logits[:, -1].float()
     return tokens
 
 
@@ -314,11 +325,11 @@ def answer(model, pre: Prefill, batch: list[Config], policy: Policy, question_id
     query-agnostic: the question first extends each row's compressed context."""
     cache = stack_caches(model, [pre.caches[c] for c in batch])
     start = time.perf_counter()
-    with kvpress.patch_model(model, policy):
-        if question_ids is None:
-            logits = pre.logits.expand(len(batch), -1)
-        else:
+    if question_ids is None:
+        logits = pre.logits.expand(len(batch), -1)
+    else:
+        with kvpress.patch_model(model, policy):
             ids = question_ids.expand(len(batch), -1)
             logits = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
-        tokens = greedy(model, cache, logits.float(), max_new, stop)
+    tokens = greedy(model, cache, logits.float(), max_new, stop, policy)
     return tokens, time.perf_counter() - start

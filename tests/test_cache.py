@@ -50,6 +50,54 @@ def test_nbytes_counts_every_storage_tensor():
     assert layer.valid is not None and layer.nbytes() == storage_bytes(layer)
 
 
+def storage_of(t):
+    return t.untyped_storage().nbytes()
+
+
+def test_decode_appends_write_in_place_into_spare_room_counted_by_nbytes():
+    layer, k, v = filled(batch=2, heads=3, length=10)
+    assert storage_of(layer.keys) == layer.keys.numel() * 4  # a prompt is stored exactly
+    new = [(torch.randn(2, 3, 1, 4), torch.randn(2, 3, 1, 4)) for _ in range(70)]
+    layer.update(*new[0])
+    buffer = layer.keys.untyped_storage().data_ptr()
+    capacity = storage_of(layer.keys) // (2 * 3 * 4 * 4)
+    assert capacity == 11 + 64  # spare room for one-token appends
+    for step, (nk, nv) in enumerate(new[1:capacity - 11 + 1], start=2):
+        layer.update(nk, nv)
+        assert layer.keys.untyped_storage().data_ptr() == buffer  # no copy of the layer per token
+    assert layer.stored == capacity
+    assert layer.kv_nbytes() == 2 * storage_of(layer.keys) and layer.nbytes() == layer.kv_nbytes()
+    layer.update(*new[capacity - 10])  # full: grows once, by a 16th (at least 64 slots)
+    assert layer.keys.untyped_storage().data_ptr() != buffer
+    want = torch.cat([k, *[nk for nk, _ in new[:capacity - 9]]], 2)
+    assert torch.equal(layer.keys, want) and layer.stored == capacity + 1
+    assert torch.equal(layer.values, torch.cat([v, *[nv for _, nv in new[:capacity - 9]]], 2))
+
+
+def test_shallow_copies_never_write_into_a_shared_buffer():
+    import copy
+
+    layer, k, _ = filled(batch=1, heads=1, length=4)
+    layer.update(torch.ones(1, 1, 1, 4), torch.ones(1, 1, 1, 4))  # now owns a buffer with room
+    twin = copy.copy(layer)
+    layer.crop(-1)  # the original shrinks its view, then appends where the twin still reads
+    layer.update(torch.full((1, 1, 1, 4), 2.0), torch.full((1, 1, 1, 4), 2.0))
+    twin.update(torch.full((1, 1, 1, 4), 3.0), torch.full((1, 1, 1, 4), 3.0))
+    assert layer.keys[0, 0, 4:].tolist() == [[2.0] * 4]
+    assert twin.keys[0, 0, 4:].tolist() == [[1.0] * 4, [3.0] * 4]
+    assert torch.equal(twin.keys[0, 0, :4], k[0, 0]) and torch.equal(layer.keys[0, 0, :4], k[0, 0])
+
+
+@pytest.mark.parametrize("source", ["contiguous", "buffer prefix", "transposed"])
+def test_keep_takes_the_same_slots_as_a_gather_from_any_layout(source):
+    base = torch.randn(2, 3, 12, 8)
+    tensor = {"contiguous": base, "buffer prefix": base[:, :, :9],
+              "transposed": base.transpose(0, 1).contiguous().transpose(0, 1)}[source]
+    indices = torch.stack([torch.randperm(tensor.shape[2])[:5].sort().values for _ in range(6)]).view(2, 3, 5)
+    want = tensor.gather(2, indices[..., None].expand(-1, -1, -1, 8))
+    assert torch.equal(KVPressLayer._take_slots(tensor, indices), want)
+
+
 def test_padding_marks_slots_invalid():
     mask = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]], dtype=torch.bool)
     layer, _, _ = filled(length=4, valid=mask)

@@ -31,7 +31,15 @@ class KVPressLayer(CacheLayerMixin):
       decode_start   tokens seen when the prompt ended (generated tokens have positions >= it)
       seen           tokens seen so far (positions of new tokens derive from it, never from T)
       last_q_len     tokens appended by the latest update (tells prefill / decode / extend apart)
+    `keys` / `values` may be the filled prefix of a larger buffer the layer allocated itself: one-token appends
+    (decode) get spare room, so a generated token is written in place instead of copying the layer (torch.cat
+    copies it all, every step). Multi-token appends and compactions allocate exactly; nbytes() counts the room.
     """
+
+    @staticmethod
+    def _spare_slots(n: int) -> int:
+        """Room added when a one-token append outgrows the buffer: amortised O(1) copies per token."""
+        return max(64, n // 16)
 
     is_sliding = False
     is_compileable = False
@@ -50,6 +58,31 @@ class KVPressLayer(CacheLayerMixin):
         self.seen = 0
         self.last_q_len = 0
 
+    # Assigning keys/values (a compaction, a batch reorder...) replaces the storage: the buffer this layer wrote
+    # in place is dropped, so tensors it did not allocate are never written into.
+    @property
+    def keys(self) -> torch.Tensor | None:
+        return self._keys
+
+    @keys.setter
+    def keys(self, tensor: torch.Tensor | None) -> None:
+        self._keys, self._room = tensor, None
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return self._values
+
+    @values.setter
+    def values(self, tensor: torch.Tensor | None) -> None:
+        self._values, self._room = tensor, None
+
+    def __copy__(self):
+        # A shallow copy shares the buffer: neither copy may append into it in place any more.
+        out = object.__new__(type(self))
+        out.__dict__.update(self.__dict__)
+        out._room = self._room = None
+        return out
+
     # ------------------------------------------------------------------ transformers layer API
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -64,8 +97,7 @@ class KVPressLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         batch, heads, q_len, _ = key_states.shape
         rect_before = self.rect_len
-        self.keys = torch.cat([self.keys, key_states], dim=-2)
-        self.values = torch.cat([self.values, value_states], dim=-2)
+        self._append_kv(key_states, value_states)
         if self.positions is not None:
             new_pos = torch.arange(self.seen, self.seen + q_len, device=self.device, dtype=self.positions.dtype)
             self.positions = torch.cat([self.positions, new_pos.expand(batch, heads, q_len)], dim=-1)
@@ -81,6 +113,28 @@ class KVPressLayer(CacheLayerMixin):
         self.seen += q_len
         self.last_q_len = q_len
         return self.keys, self.values
+
+    def _append_kv(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        filled = self._keys.shape[-2]
+        need = filled + key_states.shape[-2]
+        room = self._room
+        if room is not None and room[0].shape[-2] >= need:
+            room[0][:, :, filled:need] = key_states
+            room[1][:, :, filled:need] = value_states
+        else:
+            capacity = need + (self._spare_slots(need) if key_states.shape[-2] == 1 else 0)
+            room = tuple(self._grown(old, new, capacity) for old, new in
+                         ((self._keys, key_states), (self._values, value_states)))
+        self._keys, self._values = room[0][:, :, :need], room[1][:, :, :need]
+        self._room = room
+
+    @staticmethod
+    def _grown(old: torch.Tensor, new: torch.Tensor, capacity: int) -> torch.Tensor:
+        batch, heads, filled, dim = old.shape
+        buffer = old.new_empty(batch, heads, capacity, dim)
+        buffer[:, :, :filled] = old
+        buffer[:, :, filled:filled + new.shape[-2]] = new
+        return buffer
 
     def get_seq_length(self) -> int:
         # Tokens SEEN, not stored: generate derives new positions from it, and eviction must not shift them.
@@ -239,7 +293,10 @@ class KVPressLayer(CacheLayerMixin):
             if keep_valid is not None:
                 real = real & keep_valid
             counts = real.sum(-1)
-            if self.ragged is not None or bool((counts != counts.flatten()[0]).any()):
+            # Heads of a row that keep different counts go flat (no padding to the longest head). Rows that only
+            # differ from each other (left padding, configs stacked by evals) stay rectangular with filler slots,
+            # like the padding of the prompt itself, and keep the fast dense decode path.
+            if self.ragged is not None or bool((counts != counts[:, :1]).any()):
                 self._keep_ragged(indices, real)
                 return
         width_q = 0
@@ -254,13 +311,26 @@ class KVPressLayer(CacheLayerMixin):
             real = None if keep_valid is None else keep_valid[..., :width_q]
             self.quantized = self.quantized.gather(indices[..., :width_q], real)
         residual_idx = indices[..., width_q:] - n_q
-        gather_kv = residual_idx[..., None].expand(-1, -1, -1, self.keys.shape[-1])
-        self.keys = self.keys.gather(2, gather_kv)
-        self.values = self.values.gather(2, gather_kv)
+        self.keys, self.values = self._take_slots(self.keys, residual_idx), self._take_slots(self.values, residual_idx)
         self.positions = positions.gather(-1, indices)
         self.valid = valid
         self.slot_state = {name: s.gather(-1, indices) for name, s in self.slot_state.items()}
         self.aux = {}
+
+    @staticmethod
+    def _take_slots(tensor: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """tensor[b, h, indices[b, h, t]] as a new [B, H, T', D] tensor. Whole D-rows are copied by one flat
+        index_select over the storage (a gather with indices expanded over D reads an index per element and is
+        about 5x slower); `tensor` may be the filled prefix of a larger buffer."""
+        batch, heads, _, dim = tensor.shape
+        if tensor.stride(-1) != 1 or tensor.stride(-2) != dim or any(
+                n % dim for n in (tensor.stride(0), tensor.stride(1), tensor.storage_offset())):
+            tensor = tensor.contiguous()
+        rows = tensor.as_strided((tensor.untyped_storage().nbytes() // (tensor.element_size() * dim), dim), (dim, 1), 0)
+        first = (tensor.storage_offset()
+                 + torch.arange(batch, device=indices.device)[:, None, None] * tensor.stride(0)
+                 + torch.arange(heads, device=indices.device)[None, :, None] * tensor.stride(1)) // dim
+        return rows.index_select(0, (indices + first).flatten()).view(batch, heads, indices.shape[-1], dim)
 
     def _keep_ragged(self, indices, real):
         """Compact into a flat RaggedSegment: exactly the real kept slots, no fillers; the residual empties."""
@@ -346,7 +416,8 @@ class KVPressLayer(CacheLayerMixin):
         batch, hq, rows, dim = query.shape
         hkv = self.keys.shape[1]
         upto = self.stored if upto is None else upto
-        q = query.reshape(batch, hkv, hq // hkv, rows, dim).float()
+        # scaled on the query side: r x D multiplies instead of r x T (these logits are a policy's largest work)
+        q = query.reshape(batch, hkv, hq // hkv, rows, dim).float() * scaling
         parts = []
         if self.ragged is not None:  # (never together with a quantized segment)
             keys = self.keys_view()[:, :, :upto].float()
@@ -357,7 +428,7 @@ class KVPressLayer(CacheLayerMixin):
             parts.append(torch.einsum("bhgrd,bhtd->bhgrt", q, keys))
         if upto > self.quantized_len:
             parts.append(torch.einsum("bhgrd,bhtd->bhgrt", q, self.keys[:, :, : upto - self.quantized_len].float()))
-        logits = torch.cat(parts, -1) * scaling
+        logits = parts[0] if len(parts) == 1 else torch.cat(parts, -1)
         if softcap is not None:
             logits = torch.tanh(logits / softcap) * softcap
         return logits
@@ -372,24 +443,32 @@ class KVPressLayer(CacheLayerMixin):
             return 0
         quantized = 0 if self.quantized is None else self.quantized.nbytes()
         quantized += 0 if self.ragged is None else self.ragged.kv_nbytes()
-        return quantized + sum(t.numel() * t.element_size() for t in (self.keys, self.values))
+        return quantized + sum(t.numel() * t.element_size() for t in self._kv_storage())
 
     # ------------------------------------------------------------------ internals
+    def _kv_storage(self) -> tuple:
+        """The full-precision K/V tensors as allocated: the buffers with their spare room, if any."""
+        return (self._keys, self._values) if self._room is None else self._room
+
     def _tensors(self):
         if not self.is_initialized:
             return []
         extra = [t for t in (self.positions, self.valid) if t is not None]
         quantized = [] if self.quantized is None else self.quantized.tensors()
         quantized += [] if self.ragged is None else self.ragged.tensors()
-        return [self.keys, self.values, *quantized, *extra, *self.slot_state.values()]
+        return [*self._kv_storage(), *quantized, *extra, *self.slot_state.values()]
 
     def _truncate(self, n: int) -> None:
-        """Keep the first n slots of the view (all ragged and quantized ones among them). clone: a view would
-        keep the whole old buffer alive and nbytes() would under-report it."""
+        """Keep the first n slots of the view (all ragged and quantized ones among them). K/V in the layer's own
+        buffer just shrink their view (the rest becomes spare room, counted by nbytes()); anything else is cloned:
+        a view would keep the whole old tensor alive and nbytes() would under-report it."""
         view_n, n = n, n - self.ragged_len
         r = n - self.quantized_len
-        self.keys = self.keys[:, :, :r].clone()
-        self.values = self.values[:, :, :r].clone()
+        if self._room is not None:
+            self._keys, self._values = self._room[0][:, :, :r], self._room[1][:, :, :r]
+        else:
+            self.keys = self.keys[:, :, :r].clone()
+            self.values = self.values[:, :, :r].clone()
         if self.positions is not None:
             self.positions = self.positions[..., :n].clone()
         if self.valid is not None:

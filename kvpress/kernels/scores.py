@@ -79,14 +79,23 @@ def attention_column_sums(
     total = torch.zeros(batch, hq, length, dtype=torch.float32, device=key_positions.device)
     for start in range(0, rows, chunk):
         sl = slice(start, min(rows, start + chunk))
+        positions = query_positions[sl]
         # Slots are sorted by position in every head, so those a chunk can reach (position <= its last query)
-        # form a prefix: skip the causally masked rest (about half the work over a prompt).
-        reach = int((key_positions <= query_positions[sl][-1]).sum(-1).max())
-        probs = attention_probs(
-            key_logits, query[:, :, sl], query_positions[sl], key_positions[..., :reach],
-            None if key_valid is None else key_valid[..., :reach], sliding_window,
-        )
+        # form a prefix: skip the causally masked rest (about half the work over a prompt). Without padding or
+        # a sliding window, every query of the chunk reads the slots up to its first position: mask only after.
+        reach = int((key_positions <= positions[-1]).sum(-1).max())
+        open_ = 0 if key_valid is not None or sliding_window is not None else \
+            int((key_positions <= positions[0]).sum(-1).min())
+        logits = key_logits(query[:, :, sl], reach)  # [B, Hkv, g, r, reach]
+        if open_ < reach:
+            allowed = allowed_mask(positions, key_positions[..., open_:reach],
+                                   None if key_valid is None else key_valid[..., open_:reach], sliding_window)
+            logits[..., open_:].masked_fill_(~allowed[:, :, None], float("-inf"))
+        exp = logits.sub_(logits.amax(-1, keepdim=True)).exp_()
+        # Column sums of the softmax = (1 / row sums) @ exp: one matrix product instead of normalising every
+        # element and then summing.
+        weight = exp.sum(-1).reciprocal_()  # [B, Hkv, g, r]
         if query_real is not None:
-            probs = probs * query_real[:, None, sl, None]
-        total[..., :reach] += probs.sum(2)
+            weight = weight * query_real[:, None, None, sl]
+        total[..., :reach] += (weight[..., None, :] @ exp).reshape(batch, hq, reach)
     return total
