@@ -98,3 +98,20 @@ def test_policy_specs_with_allocators_match_their_own_patched_runs():
         tokens, _ = answer(model, pre, batch, policy, None, 6, set())
         for config, got in zip(batch, tokens):
             assert got == _alone(model, config, ids, None, 6), config
+
+
+def test_rows_that_stop_leave_the_batch_and_the_others_go_on_unchanged():
+    model = _model()
+    ids = torch.randint(3, 128, (1, 230), generator=torch.Generator().manual_seed(3))
+    configs = configs_for(["h2o", "tova", "streaming_llm"], [0.3, 0.6])
+    pre = prefill(model, ids, configs)
+    alone = {c: _alone(model, c, ids, None, 10) for c in configs}
+    # a stop token that one config emits early while another never does: rows leave the batch mid-decode
+    stop = next({t} for c in configs for t in alone[c][:3] if any(t not in alone[d] for d in configs))
+    [(batch, policy)] = decode_batches(pre, configs)
+    assert isinstance(policy, Rows)
+    tokens, _ = answer(model, pre, batch, policy, None, 10, stop)
+    cut = {c: next((alone[c][:i + 1] for i, t in enumerate(alone[c]) if t in stop), alone[c]) for c in configs}
+    assert {len(cut[c]) for c in configs} != {10} and 10 in {len(cut[c]) for c in configs}
+    for config, got in zip(batch, tokens):
+        assert got == cut[config], config

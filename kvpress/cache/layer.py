@@ -410,9 +410,11 @@ class KVPressLayer(CacheLayerMixin):
         self.aux = {}
 
     def key_logits(self, query: torch.Tensor, scaling: float, softcap: float | None = None,
-                   upto: int | None = None, block: int = 4096) -> torch.Tensor:
+                   upto: int | None = None, block: int = 4096, residual_fp32: torch.Tensor | None = None
+                   ) -> torch.Tensor:
         """fp32 logits [B, Hkv, g, r, T'] of query rows [B, Hq, r, D] against the first `upto` slots (all by
-        default), grouping query heads under their KV head; the quantized part is read block by block."""
+        default), grouping query heads under their KV head; the quantized part is read block by block.
+        `residual_fp32`: `keys.float()` computed once by a caller that asks for many query blocks."""
         batch, hq, rows, dim = query.shape
         hkv = self.keys.shape[1]
         upto = self.stored if upto is None else upto
@@ -427,7 +429,8 @@ class KVPressLayer(CacheLayerMixin):
             keys = self.quantized.dequantize_keys(start, min(start + block, upto, self.quantized_len))
             parts.append(torch.einsum("bhgrd,bhtd->bhgrt", q, keys))
         if upto > self.quantized_len:
-            parts.append(torch.einsum("bhgrd,bhtd->bhgrt", q, self.keys[:, :, : upto - self.quantized_len].float()))
+            keys = self.keys if residual_fp32 is None else residual_fp32
+            parts.append(torch.einsum("bhgrd,bhtd->bhgrt", q, keys[:, :, : upto - self.quantized_len].float()))
         logits = parts[0] if len(parts) == 1 else torch.cat(parts, -1)
         if softcap is not None:
             logits = torch.tanh(logits / softcap) * softcap

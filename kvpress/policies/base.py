@@ -85,7 +85,14 @@ class Context:
     def attention_column_sums(self) -> torch.Tensor:
         """Attention received by each slot, summed over all query rows of this forward: [B, Hq, T] (fp32).
         Computed in query chunks, so a long prompt never materialises its full attention matrix."""
-        return attention_column_sums(self.key_logits, self.query, self.query_positions(),
+        layer = self.layer
+        # bf16/fp16 keys go to fp32 once here, not once per query block (a prompt has hundreds of blocks)
+        residual = None if layer.keys.dtype == torch.float32 or layer.ragged is not None else layer.keys.float()
+
+        def key_logits(query, upto):
+            return layer.key_logits(query, self.scaling, self.softcap, upto, residual_fp32=residual)
+
+        return attention_column_sums(key_logits, self.query, self.query_positions(),
                                      self.layer.key_positions(), self.layer.key_valid_or_none(), self.sliding_window)
 
     def to_kv_heads(self, per_query_head: torch.Tensor, reduce: str = "mean") -> torch.Tensor:
