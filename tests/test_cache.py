@@ -62,7 +62,7 @@ def test_decode_appends_write_in_place_into_spare_room_counted_by_nbytes():
     buffer = layer.keys.untyped_storage().data_ptr()
     capacity = storage_of(layer.keys) // (2 * 3 * 4 * 4)
     assert capacity == 11 + 64  # spare room for one-token appends
-    for step, (nk, nv) in enumerate(new[1:capacity - 11 + 1], start=2):
+    for nk, nv in new[1:capacity - 11 + 1]:
         layer.update(nk, nv)
         assert layer.keys.untyped_storage().data_ptr() == buffer  # no copy of the layer per token
     assert layer.stored == capacity

@@ -36,11 +36,6 @@ class KVPressLayer(CacheLayerMixin):
     copies it all, every step). Multi-token appends and compactions allocate exactly; nbytes() counts the room.
     """
 
-    @staticmethod
-    def _spare_slots(n: int) -> int:
-        """Room added when a one-token append outgrows the buffer: amortised O(1) copies per token."""
-        return max(64, n // 16)
-
     is_sliding = False
     is_compileable = False
     is_croppable = True
@@ -113,6 +108,11 @@ class KVPressLayer(CacheLayerMixin):
         self.seen += q_len
         self.last_q_len = q_len
         return self.keys, self.values
+
+    @staticmethod
+    def _spare_slots(n: int) -> int:
+        """Room added when a one-token append outgrows the buffer: amortised O(1) copies per token."""
+        return max(64, n // 16)
 
     def _append_kv(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         filled = self._keys.shape[-2]

@@ -93,7 +93,7 @@ class Context:
             return layer.key_logits(query, self.scaling, self.softcap, upto, residual_fp32=residual)
 
         return attention_column_sums(key_logits, self.query, self.query_positions(),
-                                     self.layer.key_positions(), self.layer.key_valid_or_none(), self.sliding_window)
+                                     layer.key_positions(), layer.key_valid_or_none(), self.sliding_window)
 
     def to_kv_heads(self, per_query_head: torch.Tensor, reduce: str = "mean") -> torch.Tensor:
         """[B, Hq, ...] -> [B, Hkv, ...] by reducing each GQA group (design invariant 6)."""
