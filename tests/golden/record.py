@@ -1,0 +1,160 @@
+"""Behaviour recorded before a restructuring, compared after it (tests/test_golden.py).
+
+For every policy family (eviction, allocators, chunked prefill, decode budget, codecs, compositions, read views,
+self-speculative drafts) on tiny random models of three architectures (a left-padded batch of two) and on
+SmolLM2: the greedy tokens, the kept token set of every (layer, row, KV head) after prefill and after
+generation, and the bytes held. Only public API is used, so the same script runs on both sides of a redesign.
+
+    python tests/golden/record.py            # rewrite tests/golden/behaviour.json (do this BEFORE a redesign)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE.parent))
+
+import kvpress  # noqa: E402
+from kvpress import KVPressCache, KVPressLayer  # noqa: E402
+
+Q = dict(bits=2, group_size=16, residual_length=16)
+# (name, policy spec, patch params, extra patch kwargs)
+TINY_CONFIGS = [
+    ("none", "none", {}, {}),
+    ("snapkv", "snapkv", dict(compression_ratio=0.6, window_size=8), {}),
+    ("snapkv_adaptive", "snapkv", dict(compression_ratio=0.6, window_size=8, budget_allocation="adaptive"), {}),
+    ("snapkv_pyramid", "snapkv", dict(compression_ratio=0.6, window_size=8, budget_allocation="pyramid"), {}),
+    ("snapkv_chunked", "snapkv", dict(compression_ratio=0.7, window_size=8), dict(prefill_chunk_size=32)),
+    ("h2o", "h2o", dict(compression_ratio=0.6), {}),
+    ("h2o_decode_budget", "h2o", dict(compression_ratio=0.6, decode_budget=8), {}),
+    ("h2o_adaptive", "h2o", dict(compression_ratio=0.6, budget_allocation="adaptive"), {}),
+    ("tova", "tova", dict(compression_ratio=0.6), {}),
+    ("streaming_llm", "streaming_llm", dict(compression_ratio=0.6), {}),
+    ("streaming_llm_local", "streaming_llm", dict(compression_ratio=0.6, cache_local_positions=True), {}),
+    ("knorm", "knorm", dict(compression_ratio=0.6), {}),
+    ("random", "random", dict(compression_ratio=0.6), {}),
+    ("kivi2", "kivi", Q, {}),
+    ("kivi4", "kivi", dict(Q, bits=4), {}),
+    ("gear", "gear", Q, {}),
+    ("snapkv+kivi", "snapkv+kivi", dict(Q, compression_ratio=0.5, window_size=8), {}),
+    ("h2o+kivi", "h2o+kivi", dict(Q, compression_ratio=0.5), {}),
+    ("streaming_llm+gear", "streaming_llm+gear", dict(Q, compression_ratio=0.5), {}),
+    ("quest", "quest", dict(budget=32, page_size=8), {}),
+    ("retrieval", "retrieval", dict(budget=32, chunk_size=8, recent=8), {}),
+    ("topk", "topk", dict(budget=24), {}),
+    ("sink_window", "sink_window", dict(budget=24), {}),
+]
+DRAFTS = [("streaming_llm", {}), ("quest", dict(page_size=8)), ("retrieval", dict(chunk_size=8, recent=8)),
+          ("topk", {}), ("quant4", dict(group_size=16, residual_length=16))]
+SMOL_CONFIGS = [
+    ("none", "none", {}),
+    ("snapkv", "snapkv", dict(compression_ratio=0.75)),
+    ("snapkv_adaptive", "snapkv", dict(compression_ratio=0.75, budget_allocation="adaptive")),
+    ("h2o", "h2o", dict(compression_ratio=0.75)),
+    ("tova", "tova", dict(compression_ratio=0.75)),
+    ("streaming_llm", "streaming_llm", dict(compression_ratio=0.75)),
+    ("knorm", "knorm", dict(compression_ratio=0.75)),
+    ("kivi4", "kivi", dict(bits=4)),
+    ("snapkv+kivi2", "snapkv+kivi", dict(compression_ratio=0.5, bits=2)),
+    ("gear", "gear", dict(bits=4)),
+]
+ARCHS = ["llama", "qwen3", "gemma3"]
+NEW_TOKENS = 20
+
+
+def kept_sets(cache) -> list:
+    """[layer][row][head] sorted original positions of the real kept tokens (kvpress layers only)."""
+    out = []
+    for layer in cache.layers:
+        if not isinstance(layer, KVPressLayer) or not layer.is_initialized:
+            continue
+        pos, valid = layer.key_positions(), layer.key_valid()
+        out.append([[sorted(pos[b, h][valid[b, h]].tolist()) for h in range(pos.shape[1])]
+                    for b in range(pos.shape[0])])
+    return out
+
+
+def digest(obj) -> str:
+    return hashlib.sha1(json.dumps(obj).encode()).hexdigest()[:16]
+
+
+def cache_record(cache) -> dict:
+    sets = kept_sets(cache)
+    return dict(kept=digest(sets), counts=[[[len(h) for h in row] for row in layer] for layer in sets],
+                nbytes=cache.nbytes(), kv_nbytes=sum(r["kv_bytes"] for r in cache.stats()))
+
+
+def _tiny_inputs():
+    g = torch.Generator().manual_seed(11)
+    ids = torch.randint(3, 128, (2, 96), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :13] = 0  # a left-padded row
+    return ids, mask
+
+
+def run_config(model, ids, mask, spec, params, extra, new_tokens=NEW_TOKENS) -> dict:
+    with kvpress.patch_model(model, spec, **extra, **params):
+        with torch.no_grad():
+            pre = KVPressCache(model.config)
+            model(ids, attention_mask=mask, past_key_values=pre)
+        cache = KVPressCache(model.config)
+        out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, do_sample=False)
+    return dict(tokens=out[:, ids.shape[1]:].tolist(), prefill=cache_record(pre), final=cache_record(cache))
+
+
+def run_draft(model, ids, mask, draft, params, new_tokens=NEW_TOKENS) -> dict:
+    kw = dict(draft_budget=24) if draft != "quant4" else {}
+    out = kvpress.speculative_generate(model, ids, mask, draft=draft, gamma=3, max_new_tokens=new_tokens, **kw,
+                                       **params)
+    return dict(tokens=out[:, ids.shape[1]:].tolist())
+
+
+def tiny_cases():
+    from conftest import tiny_model
+
+    for arch in ARCHS:
+        for name, spec, params, extra in TINY_CONFIGS:
+            yield f"tiny/{arch}/{name}", lambda a=arch, s=spec, p=params, e=extra: run_config(
+                tiny_model(a), *_tiny_inputs(), s, p, e)
+        for draft, params in DRAFTS if arch != "gemma3" else []:  # gemma3: sliding layers cannot roll back yet
+            yield f"tiny/{arch}/draft_{draft}", lambda a=arch, d=draft, p=params: run_draft(
+                tiny_model(a), *_tiny_inputs(), d, p)
+
+
+def smol_cases():
+    from conftest import _real
+    from kvpress.needle import needle_prompt
+
+    def inputs():
+        model, tok = _real("smollm2")
+        ids = needle_prompt(tok, 600, depth=0.3, seed=3).input_ids
+        return model, ids, torch.ones_like(ids)
+
+    for name, spec, params in SMOL_CONFIGS:
+        yield f"smollm2/{name}", lambda s=spec, p=params: run_config(*inputs(), s, p, {}, new_tokens=12)
+    yield "smollm2/draft_streaming_llm", lambda: run_draft(*inputs(), "streaming_llm", {}, new_tokens=12)
+
+
+def all_cases():
+    yield from tiny_cases()
+    yield from smol_cases()
+
+
+def main():
+    torch.set_num_threads(2)
+    record = {}
+    for key, run in all_cases():
+        record[key] = run()
+        print(key, record[key]["tokens"][0][:6], flush=True)
+    (HERE / "behaviour.json").write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+
+
+if __name__ == "__main__":
+    main()
