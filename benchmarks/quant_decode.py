@@ -20,8 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from kvpress import KVPressLayer
-from kvpress.cache.codecs import encode_kivi
-from kvpress.kernels.quant_attention import quantized_attention_reference
+from kvpress.kernels.online_softmax import Queries
 from kvpress.policies import GEAR, KIVI, SnapKV
 from kvpress.policies.base import Context
 
@@ -49,11 +48,7 @@ def timed(fn, reps):
 def speed_table(contexts, bits, hbm_tbps):
     cuda = torch.cuda.is_available()
     dev, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
-    if cuda:
-        from kvpress.kernels.triton_quant import quantized_attention_triton as kernel
-        name = "triton"
-    else:
-        kernel, name = quantized_attention_reference, "torch reference"
+    name = "triton" if cuda else "torch reference"  # what KVPressLayer.attention picks for KIVI codes here
     print(f"decode attention, {HQ}q/{HKV}kv heads, head_dim {D}, KIVI-{bits} g{G} r{R}, {dtype}, {dev} ({name})")
     print(f"{'context':>8} {'dense sdpa ms':>14} {'low-bit ms':>11} {'speedup':>8} {'bytes read':>12} "
           f"{'GB/s':>8} {'% HBM peak':>10}")
@@ -62,20 +57,19 @@ def speed_table(contexts, bits, hbm_tbps):
         k = torch.randn(1, HKV, n, D, device=dev, dtype=dtype)
         v = torch.randn(1, HKV, n, D, device=dev, dtype=dtype)
         q = torch.randn(1, HQ, 1, D, device=dev, dtype=dtype)
-        n_q = ((n - R) // G) * G
-        seg = encode_kivi(k[:, :, :n_q], v[:, :, :n_q], torch.ones(1, HKV, n_q, dtype=torch.bool, device=dev), bits, G)
-        rk, rv = k[:, :, n_q:].contiguous(), v[:, :, n_q:].contiguous()
-        pos = torch.arange(n, device=dev).expand(1, HKV, n)
-        qpos = torch.tensor([n - 1], device=dev)
+        layer = KVPressLayer()
+        layer.update(k, v)
+        KIVI(bits=bits, group_size=G, residual_length=R).flush(SimpleNamespace(layer=layer))
+        queries = Queries(q, torch.tensor([n - 1], device=dev), D ** -0.5)
         reps = 20 if cuda else 3
         dense = timed(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), reps)
-        low = timed(lambda: kernel(q, seg, rk, rv, pos, None, qpos, D ** -0.5), reps)
-        read = seg.nbytes() + rk.numel() * rk.element_size() * 2 + pos.numel() * 4
+        low = timed(lambda: layer.attention(queries), reps)
+        read = layer.kv_nbytes()
         gbs = read / low / 1e9
         peak = f"{100 * gbs / (hbm_tbps * 1e3):>9.1f}%" if cuda else f"{'n/a (cpu)':>10}"
         print(f"{n:>8} {dense * 1e3:>14.3f} {low * 1e3:>11.3f} {dense / low:>7.2f}x {read:>12,} {gbs:>8.1f} {peak}",
               flush=True)
-        del k, v, seg
+        del k, v, layer
 
 
 def memory_table(n=8192, heads=HKV, dim=D):

@@ -12,26 +12,24 @@ SnapKV, ...) in one batch, decode-time evictors (H2O, TOVA, StreamingLLM) in ano
 each row's own policy. Low-bit storage and custom hooks decode alone.
 
 Only public pieces of kvpress are used: Policy hooks, ScorerPolicy.score / protected / row_budget / compress,
-select_kept, KVPressLayer state. tests/test_evals_engine.py checks every config against its own plain patched
+evict_to_budget, KVPressCache.fork / stack. tests/test_evals_engine.py checks every config against its own plain patched
 `generate`: same kept slots, same tokens."""
 
 from __future__ import annotations
 
 import ast
 import contextlib
-import copy
 import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 
 import kvpress
 from kvpress import KVPressCache, KVPressLayer
 from kvpress.policies import Policy, resolve_policy
-from kvpress.policies.base import ScorerPolicy, select_kept
+from kvpress.policies.base import ScorerPolicy, evict_to_budget
 from kvpress.policies.registry import get_policy_class
 
 
@@ -74,14 +72,6 @@ def configs_for(policies: list[str], ratios: list[float]) -> list[Config]:
     return [Config(p, r) for p in policies for r in (ratios if takes_ratio(p) else [0.0])]
 
 
-def clone_layer(layer):
-    """A copy that shares tensors: cache layers replace tensors on update/keep and never write into them."""
-    out = copy.copy(layer)
-    if isinstance(layer, KVPressLayer):
-        out.slot_state = dict(layer.slot_state)
-    return out
-
-
 @dataclass
 class FanOut(Policy):
     """At prefill, gives every config its own compressed copy of each layer; never evicts from the layer itself."""
@@ -109,19 +99,19 @@ class FanOut(Policy):
             # ScorerPolicy.on_prefill is row_budget + compress(score): score once, cut per ratio.
             shared = isinstance(first, ScorerPolicy) and type(first).on_prefill is ScorerPolicy.on_prefill
             if shared:
-                base = clone_layer(ctx.layer)
+                base = ctx.layer.fork()
                 scores = first.score(dataclasses.replace(ctx, layer=base))  # may add slot state (H2O)
             shared_s = time.perf_counter() - start
             for c in group:
                 start = time.perf_counter()
                 policy = self.policies[c]
                 if shared:
-                    layer = clone_layer(base)
+                    layer = base.fork()
                     own = dataclasses.replace(ctx, layer=layer)
                     policy.start_budget(own)
                     policy.compress(own, scores)
                 else:
-                    layer = clone_layer(ctx.layer)
+                    layer = ctx.layer.fork()
                     policy.on_prefill(dataclasses.replace(ctx, layer=layer))
                 self.layers[c][ctx.layer_idx] = layer
                 own_s = time.perf_counter() - start
@@ -149,49 +139,10 @@ def prefill(model, ids: torch.Tensor, configs: list[Config]) -> Prefill:
     forward_s = total - fan.total_s
     caches = {}
     for c in configs:
-        per = KVPressCache(model.config)
-        per.layers = [fan.layers[c][i] if i in fan.layers[c] else clone_layer(layer)
-                      for i, layer in enumerate(cache.layers)]
+        per = cache.fork()
+        per.layers = [fan.layers[c].get(i, layer) for i, layer in enumerate(per.layers)]
         caches[c] = per
     return Prefill(out.logits[:, -1].float(), caches, {c: forward_s + fan.score_s[c] for c in configs}, ids.shape[1])
-
-
-def stack_layers(layers: list) -> object:
-    """Rows of one batch from single-row layers of the same step (same `seen`). kvpress layers are left-padded
-    to the widest row with invalid slots; other layers (e.g. sliding windows, never compressed) are identical
-    across configs and repeated."""
-    if len(layers) == 1:
-        return clone_layer(layers[0])
-    first = layers[0]
-    if not isinstance(first, KVPressLayer):
-        out = clone_layer(first)
-        out.batch_repeat_interleave(len(layers))
-        return out
-    assert len({l.seen for l in layers}) == 1, "rows of one batch must have seen the same tokens"
-    width = max(l.stored for l in layers)
-    pads = [width - l.stored for l in layers]
-    keys = torch.cat([F.pad(l.keys, (0, 0, p, 0)) for l, p in zip(layers, pads)])
-    values = torch.cat([F.pad(l.values, (0, 0, p, 0)) for l, p in zip(layers, pads)])
-    out = KVPressLayer()
-    out.lazy_initialization(keys, values)
-    out.keys, out.values = keys, values
-    # filler slots sit first, at position 0: slots stay sorted by position, and they are invalid (never read)
-    out.positions = torch.cat([F.pad(l.key_positions().to(torch.int32), (p, 0)) for l, p in zip(layers, pads)])
-    out.valid = torch.cat([F.pad(l.key_valid(), (p, 0), value=False) for l, p in zip(layers, pads)])
-    for name in {n for l in layers for n in l.slot_state}:
-        out.slot_state[name] = torch.cat([
-            F.pad(l.slot_state.get(name, torch.zeros(l.keys.shape[:3], device=keys.device)), (p, 0))
-            for l, p in zip(layers, pads)])
-    if all(l.row_budget is not None for l in layers):
-        out.row_budget = torch.cat([l.row_budget for l in layers])
-    out.seen, out.last_q_len = first.seen, first.last_q_len
-    return out
-
-
-def stack_caches(model, caches: list[KVPressCache]) -> KVPressCache:
-    out = KVPressCache(model.config)
-    out.layers = [stack_layers([c.layers[i] for c in caches]) for i in range(len(caches[0].layers))]
-    return out
 
 
 def stop_ids(model, tokenizer) -> set[int]:
@@ -277,19 +228,19 @@ class Rows(Policy):
 
     def on_decode(self, ctx) -> None:
         layer = ctx.layer
-        valid = layer.key_valid()
-        n_valid = valid.sum(-1)
-        n_keep = torch.minimum(layer.row_budget[:, None].to(n_valid), n_valid)
-        if bool((n_keep == n_valid).all()) and layer.stored == int(n_keep.max()):
-            return  # the same early exit as ScorerPolicy.compress
-        scores = torch.zeros(valid.shape, dtype=torch.float32, device=valid.device)
-        protected = torch.zeros_like(valid)
+        scores = torch.zeros(layer.key_valid().shape, dtype=torch.float32, device=ctx.query.device)
         for policy, rows in self.groups.values():
             scores[rows] = policy.score(ctx)[rows].float()
-            kept = policy.protected(ctx, n_keep)
-            if kept is not None:
-                protected[rows] = kept[rows]
-        layer.keep(*select_kept(scores, valid, n_keep, protected))
+
+        def kept_first(n_keep):  # each row's own policy's protected slots
+            protected = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
+            for policy, rows in self.groups.values():
+                kept = policy.protected(ctx, n_keep)
+                if kept is not None:
+                    protected[rows] = kept[rows]
+            return protected
+
+        evict_to_budget(layer, scores, layer.row_budget, kept_first)
 
 
 def decode_batches(pre: Prefill, configs: list[Config]) -> list[tuple[list[Config], Policy]]:
@@ -301,7 +252,7 @@ def decode_batches(pre: Prefill, configs: list[Config]) -> list[tuple[list[Confi
     shared_keys = {}  # policy class -> the parameter set that rides in the shared Rows batch
     for c in configs:
         key = _params_key(made[c])
-        if any(getattr(layer, "quantized", None) is not None or getattr(layer, "ragged", None) is not None
+        if any(isinstance(layer, KVPressLayer) and (layer.low_bit is not None or layer.is_flat)
                for layer in pre.caches[c].layers):
             alone.append(c)  # low-bit or ragged per-head storage: no row stacking here
         elif _passive(made[c]):
@@ -323,7 +274,7 @@ def answer(model, pre: Prefill, batch: list[Config], policy: Policy, question_id
     """Greedy answers for a batch of configs (one row each), patched with `policy` so decode-time eviction runs.
     query-aware: question_ids is None (the prompt held the question; decoding starts from the prefill's logits).
     query-agnostic: the question first extends each row's compressed context."""
-    cache = stack_caches(model, [pre.caches[c] for c in batch])
+    cache = KVPressCache.stack([pre.caches[c] for c in batch])
     start = time.perf_counter()
     if question_ids is None:
         logits = pre.logits.expand(len(batch), -1)

@@ -7,9 +7,8 @@ import torch
 
 import kvpress
 from kvpress import KVPressCache, KVPressLayer
-from kvpress.cache.ragged import RaggedSegment
 from kvpress.kernels import triton_sparse
-from kvpress.kernels.ragged_attention import ragged_attention
+from kvpress.kernels.online_softmax import Queries
 from kvpress.policies.allocation import adaptive_head_budgets, pyramid_budgets
 
 from conftest import greedy, record_held_tokens, tiny_model
@@ -59,18 +58,16 @@ def test_ragged_attention_equals_dense_attention_with_removed_tokens_masked(seed
     batch, hkv, group = int(torch.randint(1, 3, (1,), generator=g)), int(torch.randint(2, 4, (1,), generator=g)), 2
     length, n_new, rows, dim = int(torch.randint(5, 60, (1,), generator=g)), int(torch.randint(0, 5, (1,), generator=g)), 1, 16
     layer, keys, values, kept = _ragged_layer(batch, hkv, length, dim, n_new, seed)
-    assert layer.ragged is not None and layer.keys.shape[2] == n_new
+    assert layer.is_flat and layer.tail.num_slots == n_new
     seen = length + n_new
     for rows in (1, min(3, seen)):
         qpos = torch.arange(seen - rows, seen)
         query = torch.randn(batch, hkv * group, rows, dim, generator=g)
         expected = _dense_masked_attention(query, keys, values, kept, qpos, dim ** -0.5)
-        got = ragged_attention(query, layer.ragged, layer.keys, layer.values, layer.positions, layer.valid, qpos,
-                               dim ** -0.5, use_triton=False)
+        got = layer.attention(Queries(query, qpos, dim ** -0.5), use_triton=False)
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
         if triton_sparse.available():
-            got = ragged_attention(query, layer.ragged, layer.keys, layer.values, layer.positions, layer.valid, qpos,
-                                   dim ** -0.5, use_triton=True)
+            got = layer.attention(Queries(query, qpos, dim ** -0.5), use_triton=True)
             torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
@@ -78,7 +75,7 @@ def test_ragged_storage_holds_exactly_the_kept_tokens():
     layer, keys, _, kept = _ragged_layer(2, 3, 40, 16, 2, seed=1, dtype=torch.float16)
     assert torch.equal(layer.tokens_per_head(), kept.sum(-1))
     # every stored tensor owns exactly its bytes (no views of freed buffers), and nbytes() counts them all
-    tensors = layer._tensors()
+    tensors = [t for segment in layer.segments for t in segment.tensors()]
     assert layer.nbytes() == sum(t.untyped_storage().nbytes() for t in tensors)
     kept_tokens = int(kept.sum())
     assert layer.kv_nbytes() == kept_tokens * 2 * 16 * 2  # K and V, fp16, no padding anywhere
@@ -91,12 +88,13 @@ def test_ragged_storage_holds_exactly_the_kept_tokens():
             torch.testing.assert_close(view[b, h][valid[b, h]], keys[b, h][kept[b, h]])
 
 
-def test_ragged_segment_round_trips_through_padding_and_batch_ops():
+def test_flat_segment_round_trips_through_padding_and_batch_ops():
     layer, *_ = _ragged_layer(3, 2, 30, 8, 0, seed=2)
-    seg = layer.ragged
-    _, ok = seg.index_grid()
-    again = RaggedSegment.from_padded(seg.padded(seg.keys), seg.padded(seg.values), seg.padded(seg.positions), ok)
-    assert torch.equal(again.keys, seg.keys) and torch.equal(again.lengths, seg.lengths)
+    seg = layer.segments[0]
+    assert seg.flat
+    again = seg.to_rect().to_flat(0)
+    assert torch.equal(again.data.keys, seg.data.keys) and torch.equal(again.lengths, seg.lengths)
+    assert torch.equal(again.positions, seg.positions)
     before = layer.tokens_per_head().clone()
     layer.batch_select_indices(torch.tensor([2, 0]))
     assert torch.equal(layer.tokens_per_head(), before[[2, 0]])
@@ -202,7 +200,7 @@ def test_adaptive_decode_matches_dense_attention_over_the_kept_tokens():
     with kvpress.patch_model(model, "snapkv", compression_ratio=0.7, budget_allocation="adaptive", window_size=4):
         cache = KVPressCache(model.config)
         out = model(ids, past_key_values=cache)
-        assert any(layer.ragged is not None for layer in cache.layers)
+        assert any(layer.is_flat for layer in cache.layers)
         nxt = out.logits[:, -1:].argmax(-1)
         logits = model(nxt, past_key_values=cache).logits[:, -1]
     # reference: prompt + next token through the stock model; the prompt's own queries see every earlier token
@@ -313,13 +311,13 @@ def test_self_speculation_over_an_adaptive_cache_is_lossless():
 
 def test_masked_attention_in_query_blocks_equals_one_block(monkeypatch):
     """A long chunk over a compacted layer runs its dense-mask attention in row blocks; same logits as one block."""
-    from kvpress.integrations import hf
+    from kvpress.cache import layer as layer_module
 
     model = tiny_model("llama")
     ids = torch.randint(3, 128, (1, 700), generator=torch.Generator().manual_seed(7))
     outs = []
-    for rows in (hf._MASK_ROWS, 10**9):
-        monkeypatch.setattr(hf, "_MASK_ROWS", rows)
+    for rows in (layer_module._MASK_ROWS, 10**9):
+        monkeypatch.setattr(layer_module, "_MASK_ROWS", rows)
         with kvpress.patch_model(model, "snapkv", compression_ratio=0.5, window_size=8, prefill_chunk_size=300):
             outs.append(model(ids, past_key_values=KVPressCache(model.config), logits_to_keep=0).logits)
     assert outs[0].shape[1] == 700
@@ -330,8 +328,9 @@ def test_ragged_layer_pads_back_to_a_consistent_rectangle():
     layer, keys, values, kept = _ragged_layer(2, 3, 30, 8, 2, seed=8)
     view = (layer.keys_view(), layer.values_view(), layer.key_positions(), layer.key_valid())
     layer.to_rectangular()
-    assert layer.ragged is None
-    assert layer.keys.shape[2] == layer.positions.shape[-1] == layer.valid.shape[-1] == view[0].shape[2]
-    for before, after in zip(view, (layer.keys, layer.values, layer.key_positions(), layer.key_valid())):
+    assert not layer.is_flat and len(layer.segments) == 1
+    rect = layer.segments[0]
+    assert rect.data.keys.shape[2] == rect.positions.shape[-1] == rect.valid.shape[-1] == view[0].shape[2]
+    for before, after in zip(view, (rect.data.keys, rect.data.values, layer.key_positions(), layer.key_valid())):
         assert torch.equal(before.to(after.dtype), after)
     assert torch.equal(layer.tokens_per_head(), kept.sum(-1))

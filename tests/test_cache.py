@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from kvpress import KVPressCache, KVPressLayer
+from kvpress.cache.segments import take_slots
 
 
 def filled(batch=2, heads=3, length=10, dim=4, valid=None):
@@ -15,8 +16,12 @@ def filled(batch=2, heads=3, length=10, dim=4, valid=None):
 
 
 def storage_bytes(layer):
-    tensors = [layer.keys, layer.values, layer.positions, layer.valid, *layer.slot_state.values()]
-    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+    """Bytes of the distinct allocations behind the layer's storage tensors (views of bigger buffers count whole)."""
+    storages = {}
+    for segment in layer.segments:
+        for t in segment.tensors():
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(storages.values())
 
 
 def test_seen_and_mask_sizes_follow_tokens_seen_not_stored():
@@ -34,10 +39,11 @@ def test_keep_is_per_kv_head_sorted_and_frees_memory():
     idx = torch.tensor([[[5, 1, 7], [0, 2, 4]]])
     layer.keep(idx)
     assert layer.key_positions().tolist() == [[[1, 5, 7], [0, 2, 4]]]
-    assert torch.equal(layer.keys[0, 0], k[0, 0, [1, 5, 7]])
-    assert torch.equal(layer.values[0, 1], v[0, 1, [0, 2, 4]])
+    assert torch.equal(layer.keys_view()[0, 0], k[0, 0, [1, 5, 7]])
+    assert torch.equal(layer.values_view()[0, 1], v[0, 1, [0, 2, 4]])
     # the storage really shrank: no view onto the old buffer
-    assert layer.keys.untyped_storage().nbytes() == layer.keys.numel() * layer.keys.element_size()
+    keys = layer.keys_view()
+    assert keys.untyped_storage().nbytes() == keys.numel() * keys.element_size()
     assert layer.nbytes() == storage_bytes(layer)
     assert layer.kv_nbytes() == 2 * 1 * 2 * 3 * 4 * 4
 
@@ -45,9 +51,9 @@ def test_keep_is_per_kv_head_sorted_and_frees_memory():
 def test_nbytes_counts_every_storage_tensor():
     layer, _, _ = filled()
     assert layer.nbytes() == storage_bytes(layer) == layer.kv_nbytes()
-    layer.slot_state["score"] = torch.zeros(2, 3, 10)
+    layer.set_state("score", torch.zeros(2, 3, 10))
     layer.keep(torch.arange(4).expand(2, 3, 4), torch.tensor([True, True, True, False]).expand(2, 3, 4))
-    assert layer.valid is not None and layer.nbytes() == storage_bytes(layer)
+    assert layer.key_valid_or_none() is not None and layer.nbytes() == storage_bytes(layer)
 
 
 def storage_of(t):
@@ -56,22 +62,22 @@ def storage_of(t):
 
 def test_decode_appends_write_in_place_into_spare_room_counted_by_nbytes():
     layer, k, v = filled(batch=2, heads=3, length=10)
-    assert storage_of(layer.keys) == layer.keys.numel() * 4  # a prompt is stored exactly
+    assert storage_of(layer.keys_view()) == layer.keys_view().numel() * 4  # a prompt is stored exactly
     new = [(torch.randn(2, 3, 1, 4), torch.randn(2, 3, 1, 4)) for _ in range(70)]
     layer.update(*new[0])
-    buffer = layer.keys.untyped_storage().data_ptr()
-    capacity = storage_of(layer.keys) // (2 * 3 * 4 * 4)
+    buffer = layer.keys_view().untyped_storage().data_ptr()
+    capacity = storage_of(layer.keys_view()) // (2 * 3 * 4 * 4)
     assert capacity == 11 + 64  # spare room for one-token appends
     for nk, nv in new[1:capacity - 11 + 1]:
         layer.update(nk, nv)
-        assert layer.keys.untyped_storage().data_ptr() == buffer  # no copy of the layer per token
+        assert layer.keys_view().untyped_storage().data_ptr() == buffer  # no copy of the layer per token
     assert layer.stored == capacity
-    assert layer.kv_nbytes() == 2 * storage_of(layer.keys) and layer.nbytes() == layer.kv_nbytes()
+    assert layer.kv_nbytes() == 2 * storage_of(layer.keys_view()) and layer.nbytes() == layer.kv_nbytes()
     layer.update(*new[capacity - 10])  # full: grows once, by a 16th (at least 64 slots)
-    assert layer.keys.untyped_storage().data_ptr() != buffer
+    assert layer.keys_view().untyped_storage().data_ptr() != buffer
     want = torch.cat([k, *[nk for nk, _ in new[:capacity - 9]]], 2)
-    assert torch.equal(layer.keys, want) and layer.stored == capacity + 1
-    assert torch.equal(layer.values, torch.cat([v, *[nv for _, nv in new[:capacity - 9]]], 2))
+    assert torch.equal(layer.keys_view(), want) and layer.stored == capacity + 1
+    assert torch.equal(layer.values_view(), torch.cat([v, *[nv for _, nv in new[:capacity - 9]]], 2))
 
 
 def test_shallow_copies_never_write_into_a_shared_buffer():
@@ -83,9 +89,9 @@ def test_shallow_copies_never_write_into_a_shared_buffer():
     layer.crop(-1)  # the original shrinks its view, then appends where the twin still reads
     layer.update(torch.full((1, 1, 1, 4), 2.0), torch.full((1, 1, 1, 4), 2.0))
     twin.update(torch.full((1, 1, 1, 4), 3.0), torch.full((1, 1, 1, 4), 3.0))
-    assert layer.keys[0, 0, 4:].tolist() == [[2.0] * 4]
-    assert twin.keys[0, 0, 4:].tolist() == [[1.0] * 4, [3.0] * 4]
-    assert torch.equal(twin.keys[0, 0, :4], k[0, 0]) and torch.equal(layer.keys[0, 0, :4], k[0, 0])
+    assert layer.keys_view()[0, 0, 4:].tolist() == [[2.0] * 4]
+    assert twin.keys_view()[0, 0, 4:].tolist() == [[1.0] * 4, [3.0] * 4]
+    assert torch.equal(twin.keys_view()[0, 0, :4], k[0, 0]) and torch.equal(layer.keys_view()[0, 0, :4], k[0, 0])
 
 
 @pytest.mark.parametrize("source", ["contiguous", "buffer prefix", "transposed"])
@@ -95,7 +101,7 @@ def test_keep_takes_the_same_slots_as_a_gather_from_any_layout(source):
               "transposed": base.transpose(0, 1).contiguous().transpose(0, 1)}[source]
     indices = torch.stack([torch.randperm(tensor.shape[2])[:5].sort().values for _ in range(6)]).view(2, 3, 5)
     want = tensor.gather(2, indices[..., None].expand(-1, -1, -1, 8))
-    assert torch.equal(KVPressLayer._take_slots(tensor, indices), want)
+    assert torch.equal(take_slots(tensor, indices), want)
 
 
 def test_padding_marks_slots_invalid():
@@ -112,7 +118,7 @@ def test_crop_rolls_back_the_tail():
     layer.update(torch.randn(1, 1, 3, 4), torch.randn(1, 1, 3, 4))
     layer.crop(-2)
     assert layer.seen == 7 and layer.key_positions().tolist() == [[[0, 2, 4, 5, 6]]]
-    assert torch.equal(layer.keys[0, 0, :4], k[0, 0, [0, 2, 4, 5]])
+    assert torch.equal(layer.keys_view()[0, 0, :4], k[0, 0, [0, 2, 4, 5]])
     # heads that evicted different parts of the tail cannot be rolled back consistently
     ragged, _, _ = filled(batch=1, heads=2, length=6)
     ragged.keep(torch.tensor([[[0, 2, 4, 5], [0, 1, 2, 3]]]))
@@ -129,7 +135,7 @@ def test_reorder_cache_selects_rows():
     layer.keep(torch.tensor([0, 4]).expand(3, 3, 2))
     layer.row_budget = torch.tensor([2, 2, 2])
     layer.reorder_cache(torch.tensor([2, 2, 0]))
-    assert torch.equal(layer.keys[0], k[2][:, [0, 4]]) and torch.equal(layer.keys[2], k[0][:, [0, 4]])
+    assert torch.equal(layer.keys_view()[0], k[2][:, [0, 4]]) and torch.equal(layer.keys_view()[2], k[0][:, [0, 4]])
 
 
 def test_hybrid_config_keeps_stock_sliding_layers():

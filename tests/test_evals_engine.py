@@ -93,7 +93,7 @@ def test_policy_specs_with_allocators_match_their_own_patched_runs():
     assert configs[0].make().budget_allocation == "adaptive" and configs[0].make().window_size == 8
     pre = prefill(model, ids, configs)
     _assert_same_as_plain_prefill(model, ids, pre, configs)
-    assert any(layer.ragged is not None for layer in pre.caches[configs[0]].layers)
+    assert any(layer.is_flat for layer in pre.caches[configs[0]].layers)
     for batch, policy in decode_batches(pre, configs):
         tokens, _ = answer(model, pre, batch, policy, None, 6, set())
         for config, got in zip(batch, tokens):

@@ -63,10 +63,10 @@ def test_decode_over_compressed_cache_equals_dense_attention_on_kept_tokens(arch
     with kvpress.patch_model(model, SnapKV(budget=20, window_size=4)):
         cache = KVPressCache(model.config)
         model(ids, past_key_values=cache, attention_mask=torch.ones_like(ids))
-        kept = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+        kept = [(layer.keys_view().clone(), layer.values_view().clone()) for layer in cache.layers]
         assert all(layer.stored == 20 and layer.is_compacted for layer in cache.layers)
         # per-head kept sets really differ (otherwise this test would not exercise per-head storage)
-        assert any(not torch.equal(l.positions[0, 0], l.positions[0, 1]) for l in cache.layers)
+        assert any(not torch.equal(l.key_positions()[0, 0], l.key_positions()[0, 1]) for l in cache.layers)
         logits = []
         for i in range(steps.shape[1]):
             mask = torch.ones(1, 51 + i, dtype=torch.long)
@@ -176,7 +176,8 @@ def test_cache_local_positions_match_contiguous_positions_reference():
     with kvpress.patch_model(model, StreamingLLM(n_sink=4, window=12, cache_local_positions=True)):
         cache = KVPressCache(model.config)
         model(ids, past_key_values=cache)
-        stored = [(layer.keys.clone(), layer.values.clone(), layer.key_positions().clone()) for layer in cache.layers]
+        stored = [(layer.keys_view().clone(), layer.values_view().clone(), layer.key_positions().clone())
+                  for layer in cache.layers]
         logits = model(nxt, past_key_values=cache).logits
     dense = DynamicCache()
     for i, (k, v, pos) in enumerate(stored):
@@ -201,4 +202,4 @@ def test_beam_search_reorders_the_compressed_cache():
     with kvpress.patch_model(model, "h2o", budget=16, recent=4):
         cache = KVPressCache(model.config)
         out = model.generate(ids, past_key_values=cache, **kw)
-    assert out.shape == (1, 38) and cache.layers[0].keys.shape[:3] == (3, 2, 16)
+    assert out.shape == (1, 38) and cache.layers[0].keys_view().shape[:3] == (3, 2, 16)

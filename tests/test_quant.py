@@ -8,9 +8,10 @@ import kvpress
 from kvpress import KVPressCache, KVPressLayer
 from kvpress.cache.codecs import encode_gear, encode_kivi, pack, unpack
 from kvpress.kernels import allowed_mask
-from kvpress.kernels.quant_attention import quantized_attention_reference
+from kvpress.kernels.online_softmax import Queries, dense_attention_state, finish
+from kvpress.kernels.quant_attention import lowbit_attention_state_reference
 from kvpress.kernels.triton_quant import available as triton_available
-from kvpress.kernels.triton_quant import quantized_attention_triton
+from kvpress.kernels.triton_quant import lowbit_attention_state_triton
 from kvpress.policies import H2O, KIVI
 
 from conftest import greedy, tiny_model
@@ -93,6 +94,14 @@ def dense_reference(q, seg, rk, rv, pos, valid, qpos, window=None):
     return logits.masked_fill(~allowed, float("-inf")).softmax(-1) @ V.repeat_interleave(g, 1)
 
 
+def lowbit_then_residual(lowbit_state, q, rk, rv, pos, valid, qpos, window=None):
+    """A layer's read: the low-bit slots' state (the kernel under test), then the full-precision residual."""
+    queries = Queries(q, qpos, q.shape[-1] ** -0.5, sliding_window=window)
+    n_q = pos.shape[-1] - rk.shape[2]
+    state = dense_attention_state(queries, rk, rv, pos[..., n_q:], valid[..., n_q:], lowbit_state(queries))
+    return finish(state, queries)
+
+
 def random_case(seed, B, HKV, G_QA, R_Q, TQ, TR, D=32, group=16, bits=2, gathered=False, window=None):
     torch.manual_seed(seed)
     k, v = torch.randn(B, HKV, TQ, D), torch.randn(B, HKV, TQ, D)
@@ -126,11 +135,13 @@ def test_low_bit_attention_equals_attention_over_dequantized_cache(case):
     q, seg, rk, rv, pos, valid, qpos, window = random_case(0, B, HKV, GQ, RQ, TQ, TR, bits=bits, gathered=gathered,
                                                            window=window)
     expected = dense_reference(q, seg, rk, rv, pos, valid, qpos, window)
-    ref = quantized_attention_reference(q, seg, rk, rv, pos, valid, qpos, q.shape[-1] ** -0.5, window, block=24)
+    ref = lowbit_then_residual(lambda queries: lowbit_attention_state_reference(
+        queries, seg, pos[..., :seg.num_slots], valid[..., :seg.num_slots], block=24), q, rk, rv, pos, valid, qpos, window)
     torch.testing.assert_close(ref, expected, atol=1e-5, rtol=1e-5)
     assert triton_available(), "Triton must run here (CUDA, or TRITON_INTERPRET=1 on CPU)"
-    tri = quantized_attention_triton(q, seg, rk, rv, pos, valid, qpos, q.shape[-1] ** -0.5, window,
-                                     block_t=16, target_programs=4)
+    tri = lowbit_then_residual(lambda queries: lowbit_attention_state_triton(
+        queries, seg, pos[..., :seg.num_slots], valid[..., :seg.num_slots], block_t=16, target_programs=4), q, rk, rv, pos, valid, qpos,
+        window)
     torch.testing.assert_close(tri, expected, atol=1e-5, rtol=1e-5)
 
 
@@ -141,7 +152,8 @@ def test_gear_attention_reference_equals_dense():
     seg = encode_gear(k, v, valid[..., :32], 2, 16, rank=2, outlier_ratio=0.25, power_iters=3)
     assert seg.k_out_slot.shape[-1] == 2 * 4 * 32 and seg.v_out_idx.shape[-1] == 2 * 4
     torch.testing.assert_close(
-        quantized_attention_reference(q, seg, rk, rv, pos, valid, qpos, 32 ** -0.5, block=8),
+        lowbit_then_residual(lambda queries: lowbit_attention_state_reference(
+            queries, seg, pos[..., :32], valid[..., :32], block=8), q, rk, rv, pos, valid, qpos),
         dense_reference(q, seg, rk, rv, pos, valid, qpos), atol=1e-5, rtol=1e-5)
 
 
@@ -177,7 +189,7 @@ def test_nbytes_is_the_real_storage_and_residual_stays_bounded():
 
     def after(module, args, kwargs, output):
         for layer in _kivi_layers(kwargs["past_key_values"]):
-            held = [layer.keys, layer.values, *(layer.quantized.tensors() if layer.quantized else [])]
+            held = [t for segment in layer.segments for t in segment.tensors()]
             record.append((layer.stored - layer.quantized_len, layer.nbytes(),
                            sum(t.untyped_storage().nbytes() for t in held), layer.quantized_len))
 
@@ -216,8 +228,8 @@ def test_decode_over_evicted_and_quantized_cache_equals_dense_reference(arch):
         snapshot = []
         for layer in cache.layers:
             assert layer.quantized_len == 32 and layer.stored == 60
-            kd, vd = layer.quantized.dequantize(0, layer.quantized_len)
-            snapshot.append((torch.cat([kd, layer.keys], 2), torch.cat([vd, layer.values], 2)))
+            kd, vd = layer.low_bit.data.dequantize(0, layer.quantized_len)
+            snapshot.append((torch.cat([kd, layer.tail.data.keys], 2), torch.cat([vd, layer.tail.data.values], 2)))
         logits = model(nxt, past_key_values=cache).logits
     dense = DynamicCache()
     for i, (k, v) in enumerate(snapshot):
@@ -259,7 +271,7 @@ def test_smollm2_snapkv_kivi_batch_of_two_left_padded(smollm2):
         out = model.generate(**batch, past_key_values=cache, max_new_tokens=6, do_sample=False)
     assert out.shape[0] == 2
     layer = cache.layers[0]
-    assert layer.quantized_len > 0 and layer.valid is not None
+    assert layer.quantized_len > 0 and layer.key_valid_or_none() is not None
     kept = layer.tokens_per_head()
     n_real = batch.attention_mask.sum(1)
     assert kept[:, 0].tolist() == [int(n - n // 2) + 5 for n in n_real]

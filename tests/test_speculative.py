@@ -6,8 +6,9 @@ import torch
 import kvpress
 from kvpress import KVPressCache
 from kvpress.kernels import allowed_mask
-from kvpress.kernels.sparse_attention import sparse_attention_reference
-from kvpress.kernels.triton_sparse import sparse_attention_triton
+from kvpress.kernels.online_softmax import Queries, finish
+from kvpress.kernels.sparse_attention import Selection, sparse_attention_state_reference
+from kvpress.kernels.triton_sparse import sparse_attention_state_triton
 from kvpress.policies import Quest
 from kvpress.speculative import DRAFTS, accept, custom_generate, speculative_generate
 
@@ -94,8 +95,8 @@ def test_rollback_leaves_the_cache_as_if_rejected_tokens_never_came():
     for a, b in zip(spec.layers, fresh.layers):
         assert a.seen == b.seen == 42 and a.stored == b.stored == 42
         assert torch.equal(a.key_positions(), b.key_positions())
-        torch.testing.assert_close(a.keys, b.keys, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(a.values, b.values, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(a.keys_view(), b.keys_view(), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(a.values_view(), b.values_view(), atol=1e-5, rtol=1e-5)
 
 
 # ---------------------------------------------------------------------------- sampling
@@ -174,10 +175,11 @@ def test_sparse_gather_attention_equals_dense_restricted(B, HKV, G, R, T, K):
     allowed = allowed_mask(qpos, positions, chosen).repeat_interleave(G, 1)
     dense = torch.nn.functional.scaled_dot_product_attention(
         q, keys.repeat_interleave(G, 1), values.repeat_interleave(G, 1), attn_mask=allowed, scale=D ** -0.5)
-    torch.testing.assert_close(sparse_attention_reference(q, keys, values, idx, ok, positions, qpos, D ** -0.5,
-                                                          block=7), dense, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(sparse_attention_triton(q, keys, values, idx, ok, positions, qpos, D ** -0.5,
-                                                       block_t=16, target_programs=4), dense, atol=1e-5, rtol=1e-5)
+    queries, selection = Queries(q, qpos, D ** -0.5), Selection(idx, ok)
+    ref = sparse_attention_state_reference(queries, keys, values, positions, selection, block=7)
+    torch.testing.assert_close(finish(ref, queries), dense, atol=1e-5, rtol=1e-5)
+    tri = sparse_attention_state_triton(queries, keys, values, positions, selection, block_t=16, target_programs=4)
+    torch.testing.assert_close(finish(tri, queries), dense, atol=1e-5, rtol=1e-5)
 
 
 def test_quest_page_score_bounds_every_key_in_the_page():
@@ -191,7 +193,7 @@ def test_quest_page_score_bounds_every_key_in_the_page():
         stats = page_stats(layer, 16)
         q = torch.randn(1, 2, 1, 16)
         bound = torch.maximum(q * stats.kmax, q * stats.kmin).sum(-1)  # [1, 2, 5]
-        dots = (layer.keys * q).sum(-1)  # [1, 2, 70]
+        dots = (layer.keys_view() * q).sum(-1)  # [1, 2, 70]
         padded = torch.nn.functional.pad(dots, (0, 80 - 70), value=float("-inf")).view(1, 2, 5, 16)
         assert (bound >= padded.amax(-1) - 1e-4).all()
 
@@ -207,7 +209,7 @@ def test_page_stats_follow_appends_and_rollback():
     layer.crop(-5)
     stats = page_stats(layer, 8)
     fresh = KVPressLayer()
-    fresh.update(layer.keys.clone(), layer.values.clone())
+    fresh.update(layer.keys_view().clone(), layer.values_view().clone())
     ref = page_stats(fresh, 8)
     assert torch.equal(stats.kmax, ref.kmax) and torch.equal(stats.kmin, ref.kmin)
 

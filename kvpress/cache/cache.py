@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 
@@ -64,6 +66,29 @@ class KVPressCache(Cache):
                 new_valid = self._token_mask[:, -q_len:]
             return layer.update(key_states, value_states, new_valid=new_valid)
         return layer.update(key_states, value_states, *args, **kwargs)
+
+    # ------------------------------------------------------------------ copies and rows
+    def fork(self) -> "KVPressCache":
+        """A copy that shares every stored tensor, in O(layers): later updates of either copy never show in the
+        other. Compress a context once, then answer several questions on forks of it."""
+        out = copy.copy(self)
+        out.layers = [layer.fork() if isinstance(layer, KVPressLayer) else copy.copy(layer) for layer in self.layers]
+        out._token_mask = None
+        out.read_view = None
+        out.chunked_prompt = None
+        return out
+
+    @classmethod
+    def stack(cls, caches: list["KVPressCache"]) -> "KVPressCache":
+        """One batch whose rows are single-row caches that have seen the same tokens (see KVPressLayer.stack);
+        layers that kvpress does not compress (sliding windows) are identical across rows and repeated."""
+        out = caches[0].fork()
+        for i, layer in enumerate(out.layers):
+            if isinstance(layer, KVPressLayer):
+                out.layers[i] = KVPressLayer.stack([c.layers[i] for c in caches])
+            elif getattr(layer, "is_initialized", False):
+                layer.batch_repeat_interleave(len(caches))
+        return out
 
     # ------------------------------------------------------------------ reporting
     def kvpress_layers(self) -> list[tuple[int, KVPressLayer]]:

@@ -1,10 +1,11 @@
-"""Low-bit storage for the older slots of a layer: KIVI (asymmetric 2/4-bit, keys per channel, values per
+"""Low-bit codes for the older slots of a layer: KIVI (asymmetric 2/4-bit, keys per channel, values per
 token) and GEAR (KIVI + exact outliers + low-rank correction of the quantization error).
 
 Layout. Codes are bit-packed into uint8 along the channel axis, one row per token slot, so evicting slots is
 a row gather. Keys are quantized per channel over groups of `group_size` consecutive slots (their fp16
 scale/min live per group); values per token over groups of `group_size` channels. Key-group ids are implicit
-(slot // group_size) until an eviction inside the segment makes them explicit.
+(slot // group_size) until an eviction inside the codes makes them explicit. `LowBitCodes` is the payload of
+a low-bit storage segment (segments.py): rectangular [B, Hkv, T] or one flat store [1, 1, N] of per-head runs.
 """
 
 from __future__ import annotations
@@ -57,8 +58,8 @@ def quantize(x: torch.Tensor, bits: int, dim: int, valid: torch.Tensor | None = 
 
 # ---------------------------------------------------------------------------- the quantized segment
 @dataclass
-class QuantizedSegment:
-    """Tensors of the quantized slots of one layer. All per-slot tensors are [B, Hkv, T, ...]."""
+class LowBitCodes:
+    """Tensors of the quantized slots of one segment. All per-slot tensors are [B, Hkv, T, ...]."""
 
     bits: int
     group_size: int
@@ -108,7 +109,7 @@ class QuantizedSegment:
         return groups.expand(batch, heads, length)
 
     # -- growth, compaction, batch ops
-    def append(self, other: "QuantizedSegment") -> "QuantizedSegment":
+    def append(self, other: "LowBitCodes") -> "LowBitCodes":
         """Concatenate slots (other's groups/chunks are renumbered after ours)."""
         explicit = self.k_group is not None or other.k_group is not None
         merged = {}
@@ -125,9 +126,9 @@ class QuantizedSegment:
                 merged[f.name] = torch.cat([a, b], 2)
             else:
                 merged[f.name] = a
-        return QuantizedSegment(**merged)
+        return LowBitCodes(**merged)
 
-    def gather(self, indices: torch.Tensor, real: torch.Tensor | None = None) -> "QuantizedSegment":
+    def gather(self, indices: torch.Tensor, real: torch.Tensor | None = None) -> "LowBitCodes":
         """Keep slots `indices` [B, H, T'] (rows of every per-slot tensor); group scales stay shared. `real`
         flags which kept slots are real (not fillers), so sparse entries follow only real tokens."""
         if self.k_group is None:
@@ -153,10 +154,53 @@ class QuantizedSegment:
             out[name] = t.gather(2, idx)
         return replace(self, **out)
 
-    def map_rows(self, fn) -> "QuantizedSegment":
+    def map_rows(self, fn) -> "LowBitCodes":
         """Apply a batch-dimension op (beam reorder, repeat) to every tensor."""
         return replace(self, **{f.name: fn(getattr(self, f.name)) for f in fields(self)
                                 if isinstance(getattr(self, f.name), torch.Tensor)})
+
+    def cat(self, other: "LowBitCodes") -> "LowBitCodes":
+        return self.append(other)
+
+    def to(self, device) -> "LowBitCodes":
+        return self.map_rows(lambda t: t.to(device))
+
+    def flatten(self, ok: torch.Tensor) -> "LowBitCodes":
+        """The slots where ok [B, H, T] as one flat store [1, 1, N] in (row, head, slot) order. Every (row, head)
+        keeps its own key groups (renumbered; groups left without a slot are dropped) and GEAR chunks; key
+        outlier entries follow their slot (-1 once it is dropped)."""
+        batch, heads, length = ok.shape
+        bh = batch * heads
+        groups = self.key_groups().long() + (torch.arange(bh, device=ok.device).view(batch, heads, 1)
+                                             * self.k_scale.shape[2])
+        kept_groups = groups[ok]
+        used = torch.zeros(bh * self.k_scale.shape[2], dtype=torch.bool, device=ok.device)
+        used[kept_groups] = True
+        renumber = used.long().cumsum(0) - 1
+        out = dict(
+            k_group=renumber[kept_groups].to(torch.int32)[None, None],
+            k_scale=self.k_scale.reshape(bh * self.k_scale.shape[2], -1)[used][None, None],
+            k_min=self.k_min.reshape(bh * self.k_min.shape[2], -1)[used][None, None],
+        )
+        for name in self._PER_SLOT:
+            t = getattr(self, name)
+            if t is not None and name not in ("k_group", "chunk"):
+                out[name] = t[ok][None, None]
+        if self.chunk is not None:
+            n_chunks = self.k_basis.shape[2]
+            offset = torch.arange(bh, device=ok.device).view(batch, heads, 1) * n_chunks
+            out["chunk"] = (self.chunk.long() + offset)[ok].to(torch.int32)[None, None]
+            out["k_basis"] = self.k_basis.reshape(1, 1, bh * n_chunks, *self.k_basis.shape[3:])
+            out["v_basis"] = self.v_basis.reshape(1, 1, bh * n_chunks, *self.v_basis.shape[3:])
+        if self.k_out_slot is not None:
+            new_slot = torch.full((batch, heads, length), -1, dtype=torch.long, device=ok.device)
+            new_slot[ok] = torch.arange(int(ok.sum()), device=ok.device)
+            slot = self.k_out_slot.long()
+            mapped = torch.where(slot >= 0, new_slot.gather(-1, slot.clamp(min=0)), -1)
+            out["k_out_slot"] = mapped.reshape(1, 1, -1).to(torch.int32)
+            out["k_out_chan"] = self.k_out_chan.reshape(1, 1, -1)
+            out["k_out_val"] = self.k_out_val.reshape(1, 1, -1)
+        return replace(self, **out)
 
     # -- reading (block by block: never a full-precision copy of the whole segment)
     def _codes(self, packed: torch.Tensor, precision: int | None) -> torch.Tensor:
@@ -228,7 +272,7 @@ def encode_kivi(k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, bits: int
     vg = v.reshape(batch, heads, n, dim // g, g)
     vvalid = None if v_counts is None else v_counts.reshape(batch, heads, n, dim // g, g)
     v_codes, v_scale, v_min = quantize(vg, bits, dim=4, valid=vvalid)  # per slot over g channels
-    return QuantizedSegment(
+    return LowBitCodes(
         bits=bits, group_size=g,
         k_codes=pack(k_codes.reshape(batch, heads, n, dim), bits), k_scale=k_scale, k_min=k_min,
         v_codes=pack(v_codes.reshape(batch, heads, n, dim), bits), v_scale=v_scale, v_min=v_min,

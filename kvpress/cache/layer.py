@@ -2,38 +2,55 @@
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from .codecs import QuantizedSegment
-from .ragged import RaggedSegment
+from ..kernels.online_softmax import Queries, dense_attention_state, empty_state, finish
+from ..kernels.quant_attention import flat_lowbit_attention_state, lowbit_attention_state
+from ..kernels.sparse_attention import Selection, sparse_attention, sparse_attention_state
+from .codecs import LowBitCodes
+from .segments import FullPrecision, Segment, dense
+
+_MASK_ROWS = 256  # query rows per block when dense attention needs a mask built from stored positions
+
+
+@dataclass(frozen=True)
+class Read:
+    """What one attention call reads from a layer, besides its storage."""
+
+    queries: Queries
+    keys: torch.Tensor | None = None  # keys a policy rewrote over the padded view (cache-local positions)
+    select: Callable | None = None  # () -> Selection of view slots to read (a read view); asked once the layer
+    #                                 is rectangular
+    precision: int | None = None  # bits to read low-bit codes with (None: all of them)
 
 
 class KVPressLayer(CacheLayerMixin):
-    """Keys/values of one attention layer, stored per KV head (never repeated for GQA).
+    """Keys/values of one attention layer, stored per KV head (never repeated for GQA), as an ordered list of
+    storage segments (segments.py), oldest slots first, every head's slots sorted by original position:
 
-    Storage, oldest slots first; slots are sorted by original position in every head:
-      ragged         heads that keep different numbers of tokens, stored flat without padding (a
-                     RaggedSegment with its own positions and per-slot state); None while storage is rectangular
-      quantized      the oldest Tq rectangular slots in low-bit form (a QuantizedSegment), None without a codec
-                     (a layer never holds both: codecs need rectangular heads)
-      keys, values   [B, Hkv, Tr, D]  the newest slots in full precision
-    Per-slot tensors of the rectangular part (quantized + keys/values, width Tq + Tr):
-      positions      [B, Hkv, Tq+Tr]  original (raw, pre-eviction) index of each slot; None while the layer
-                                      still holds every token it has seen, in order (then it is arange(T))
-      valid          [B, Hkv, Tq+Tr]  False for left padding and for filler slots (rectangular rows whose budget
-                                      is below the batch's widest row); None while every slot is a real token
-      slot_state     name -> [B, Hkv, Tq+Tr] per-slot tensors a policy keeps in step with the slots (read and
-                                      write them with get_state / set_state, which span the ragged part too)
-    Policies see one padded view over all parts (key_positions, key_valid, get_state, keys_view: the ragged
-    part padded to its longest head with invalid slots); slot j of that view is what keep() takes.
+      [low-bit codes]?  [flat full precision]?  tail
+    tail      rectangular full precision [B, Hkv, T, D]: where new tokens are appended (in place, with spare room,
+              for one-token appends), and the only part `crop` rolls back
+    flat      the kept tokens of a layer whose heads keep different numbers of tokens: no padding, so freed bytes
+              equal removed tokens
+    low-bit   KIVI/GEAR codes of the oldest slots: rectangular, or flat (per-head runs) in a flat layer
+    The layout rule lives here, in one place: a keep() that leaves the heads of a row with different counts
+    makes the layer flat unless it holds rectangular low-bit codes (then heads get invalid filler slots); a flat
+    layer stays flat and flushes to flat low-bit codes; rows that differ only from each other (left padding,
+    eval configs stacked as rows) stay rectangular with fillers, like the padding of the prompt itself.
+
+    Policies see one padded view over all segments (key_positions, key_valid, get_state, keys_view), the flat
+    part padded to its longest head with invalid slots; slot j of that view is what keep() takes.
       row_budget     [B] tokens each row may keep (per KV head, on average), fixed by the policy at prefill
       decode_start   tokens seen when the prompt ended (generated tokens have positions >= it)
-      seen           tokens seen so far (positions of new tokens derive from it, never from T)
+      seen           tokens seen so far (positions of new tokens derive from it, never from the slot count)
       last_q_len     tokens appended by the latest update (tells prefill / decode / extend apart)
-    `keys` / `values` may be the filled prefix of a larger buffer the layer allocated itself: one-token appends
-    (decode) get spare room, so a generated token is written in place instead of copying the layer (torch.cat
-    copies it all, every step). Multi-token appends and compactions allocate exactly; nbytes() counts the room.
+      aux            derived read-side state (e.g. per-page key statistics); dropped on compaction
     """
 
     is_sliding = False
@@ -41,100 +58,60 @@ class KVPressLayer(CacheLayerMixin):
     is_croppable = True
 
     def __init__(self, **kwargs):
-        super().__init__()
-        self.quantized: QuantizedSegment | None = None
-        self.ragged: RaggedSegment | None = None
-        self.positions: torch.Tensor | None = None
-        self.valid: torch.Tensor | None = None
-        self.slot_state: dict[str, torch.Tensor] = {}
+        # (CacheLayerMixin.__init__ would set keys/values attributes; this layer's storage is its segments)
+        self.is_initialized = False
+        self.segments: list[Segment] = []
+        self.compacted = False  # a token was evicted: every segment holds explicit positions
         self.row_budget: torch.Tensor | None = None
         self.decode_start = 0
-        self.aux: dict = {}  # derived read-side state (e.g. per-page key statistics); dropped on compaction
+        self.aux: dict = {}
         self.seen = 0
         self.last_q_len = 0
 
-    # Assigning keys/values (a compaction, a batch reorder...) replaces the storage: the buffer this layer wrote
-    # in place is dropped, so tensors it did not allocate are never written into.
-    @property
-    def keys(self) -> torch.Tensor | None:
-        return self._keys
-
-    @keys.setter
-    def keys(self, tensor: torch.Tensor | None) -> None:
-        self._keys, self._room = tensor, None
-
-    @property
-    def values(self) -> torch.Tensor | None:
-        return self._values
-
-    @values.setter
-    def values(self, tensor: torch.Tensor | None) -> None:
-        self._values, self._room = tensor, None
-
-    def __copy__(self):
-        # A shallow copy shares the buffer: neither copy may append into it in place any more.
+    def fork(self) -> "KVPressLayer":
+        """A copy that shares every tensor (no copy of the storage): segments are values, and neither copy appends
+        into the tail's buffer in place any more, so the other never sees a write."""
         out = object.__new__(type(self))
         out.__dict__.update(self.__dict__)
-        out._room = self._room = None
+        self.segments = [s.detach() for s in self.segments]
+        out.segments = list(self.segments)
+        out.aux = {}
         return out
+
+    __copy__ = fork
 
     # ------------------------------------------------------------------ transformers layer API
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
         batch, heads, _, dim = key_states.shape
-        self.keys = key_states.new_empty(batch, heads, 0, dim)
-        self.values = value_states.new_empty(batch, heads, 0, value_states.shape[-1])
+        self.segments = [dense(key_states.new_empty(batch, heads, 0, dim),
+                               value_states.new_empty(batch, heads, 0, value_states.shape[-1]))]
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, new_valid: torch.Tensor | None = None, **kwargs):
-        """Append `q_len` new tokens. `new_valid` [B, q_len] marks which are real (not padding)."""
+        """Append `q_len` new tokens to the tail. `new_valid` [B, q_len] marks which are real (not padding).
+        Returns the tail's keys/values: kvpress attention reads the layer itself, never these."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         batch, heads, q_len, _ = key_states.shape
-        rect_before = self.rect_len
-        self._append_kv(key_states, value_states)
-        if self.positions is not None:
-            new_pos = torch.arange(self.seen, self.seen + q_len, device=self.device, dtype=self.positions.dtype)
-            self.positions = torch.cat([self.positions, new_pos.expand(batch, heads, q_len)], dim=-1)
-        if new_valid is not None and (self.valid is not None or not bool(new_valid.all())):
-            if self.valid is None:
-                self.valid = torch.ones(batch, heads, rect_before, dtype=torch.bool, device=self.device)
+        tail = self.tail
+        positions = tail.positions
+        if self.compacted:
+            new_pos = torch.arange(self.seen, self.seen + q_len, device=self.device, dtype=torch.int32)
+            positions = torch.cat([positions, new_pos.expand(batch, heads, q_len)], -1)
+        valid = tail.valid
+        if new_valid is not None and (valid is not None or not bool(new_valid.all())):
+            if valid is None:
+                valid = torch.ones(batch, heads, tail.num_slots, dtype=torch.bool, device=self.device)
             new_valid = new_valid.to(device=self.device, dtype=torch.bool)[:, None, :].expand(batch, heads, q_len)
-            self.valid = torch.cat([self.valid, new_valid], dim=-1)
-        elif self.valid is not None:
-            self.valid = torch.cat([self.valid, self.valid.new_ones(batch, heads, q_len)], dim=-1)
-        for name, state in self.slot_state.items():
-            self.slot_state[name] = torch.cat([state, state.new_zeros(batch, heads, q_len)], dim=-1)
+            valid = torch.cat([valid, new_valid], -1)
+        elif valid is not None:
+            valid = torch.cat([valid, valid.new_ones(batch, heads, q_len)], -1)
+        state = {name: torch.cat([s, s.new_zeros(batch, heads, q_len)], -1) for name, s in tail.state.items()}
+        self.segments[-1] = Segment(tail.data.append(key_states, value_states), positions, valid, state)
         self.seen += q_len
         self.last_q_len = q_len
-        return self.keys, self.values
-
-    @staticmethod
-    def _spare_slots(n: int) -> int:
-        """Room added when a one-token append outgrows the buffer: amortised O(1) copies per token."""
-        return max(64, n // 16)
-
-    def _append_kv(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        filled = self._keys.shape[-2]
-        need = filled + key_states.shape[-2]
-        room = self._room
-        if room is not None and room[0].shape[-2] >= need:
-            room[0][:, :, filled:need] = key_states
-            room[1][:, :, filled:need] = value_states
-        else:
-            capacity = need + (self._spare_slots(need) if key_states.shape[-2] == 1 else 0)
-            room = tuple(self._grown(old, new, capacity) for old, new in
-                         ((self._keys, key_states), (self._values, value_states)))
-        self._keys, self._values = room[0][:, :, :need], room[1][:, :, :need]
-        self._room = room
-
-    @staticmethod
-    def _grown(old: torch.Tensor, new: torch.Tensor, capacity: int) -> torch.Tensor:
-        batch, heads, filled, dim = old.shape
-        buffer = old.new_empty(batch, heads, capacity, dim)
-        buffer[:, :, :filled] = old
-        buffer[:, :, filled:filled + new.shape[-2]] = new
-        return buffer
+        return self.tail.data.keys, self.tail.data.values
 
     def get_seq_length(self) -> int:
         # Tokens SEEN, not stored: generate derives new positions from it, and eviction must not shift them.
@@ -148,12 +125,7 @@ class KVPressLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        self.keys = self.values = None
-        self.is_initialized = False
-        self.quantized = self.ragged = self.positions = self.valid = self.row_budget = None
-        self.slot_state = {}
-        self.aux = {}
-        self.seen = self.last_q_len = self.decode_start = 0
+        self.__init__()
 
     def crop(self, tokens_to_remove: int) -> None:
         """Roll back the most recent tokens: `crop(-n)` forgets the last n seen, `crop(n)` (n > 0) keeps the
@@ -169,328 +141,436 @@ class KVPressLayer(CacheLayerMixin):
         n_drop = (self.key_positions() >= new_seen).sum(-1)
         if bool((n_drop != n_drop.flatten()[0]).any()):
             raise RuntimeError("crop: the rolled-back tokens were partly evicted; only an unevicted tail can be cropped")
-        keep = self.stored - int(n_drop.flatten()[0])
-        if keep < self.ragged_len + self.quantized_len:
+        keep = self.tail.num_slots - int(n_drop.flatten()[0])
+        if keep < 0:
             raise RuntimeError("crop: the rolled-back tokens reach into the quantized or ragged segment; only the "
-                               "full-precision residual can be rolled back")
-        self._truncate(keep)
+                               "full-precision tail can be rolled back")
+        self.segments[-1] = self.tail.truncate(keep)
+        for derived in self.aux.values():
+            derived.truncate(self.stored)
         self.seen = new_seen
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self.batch_select_indices(beam_idx)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if not self.is_initialized:
-            return
-        self._map_tensors(lambda t: t.index_select(0, indices.to(t.device)), include_rows=True)
+        if self.is_initialized:
+            self._map_rows(lambda t: t.index_select(0, indices.to(t.device)))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        if not self.is_initialized:
-            return
-        self._map_tensors(lambda t: t.repeat_interleave(repeats, dim=0), include_rows=True)
+        if self.is_initialized:
+            self._map_rows(lambda t: t.repeat_interleave(repeats, dim=0))
 
-    # ------------------------------------------------------------------ kvpress API
+    def offload(self) -> None:
+        if self.is_initialized:
+            self.segments = [s.to("cpu") for s in self.segments]
+
+    def prefetch(self) -> None:
+        if self.is_initialized:
+            self.segments = [s.to(self.device) for s in self.segments]
+
+    def _map_rows(self, fn) -> None:
+        self.segments = [s.map_rows(fn) for s in self.segments]
+        if self.row_budget is not None:
+            self.row_budget = fn(self.row_budget)
+        self.aux = {}
+
+    # ------------------------------------------------------------------ storage shape
+    @property
+    def tail(self) -> Segment:
+        return self.segments[-1]
+
+    @property
+    def low_bit(self) -> Segment | None:
+        """The segment of low-bit codes, if any (always the first)."""
+        return self.segments[0] if self.segments and self.segments[0].low_bit else None
+
+    @property
+    def is_flat(self) -> bool:
+        """Heads hold different numbers of tokens: the kept tokens live in flat per-head runs."""
+        return any(s.flat for s in self.segments)
+
     @property
     def stored(self) -> int:
-        """Width of the padded view: the longest ragged head + every rectangular slot."""
-        return self.ragged_len + self.rect_len
-
-    @property
-    def rect_len(self) -> int:
-        return self.quantized_len + (0 if self.keys is None else self.keys.shape[-2])
-
-    @property
-    def ragged_len(self) -> int:
-        return 0 if self.ragged is None else self.ragged.width
-
-    @property
-    def num_kv_heads(self) -> int:
-        return self.keys.shape[1]
+        """Width of the padded view: the longest flat run + every rectangular slot."""
+        return sum(s.width for s in self.segments)
 
     @property
     def quantized_len(self) -> int:
-        return 0 if self.quantized is None else self.quantized.num_slots
+        return 0 if self.low_bit is None else self.low_bit.width
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.tail.data.keys.shape[1]
 
     @property
     def is_compacted(self) -> bool:
         """True once any token was evicted: slot j no longer sits at position j."""
-        return self.positions is not None
+        return self.compacted
 
+    def _offsets(self) -> list[int]:
+        out, offset = [], 0
+        for s in self.segments:
+            out.append(offset)
+            offset += s.width
+        return out
+
+    def _shape(self) -> tuple[int, int]:
+        return self.tail.data.keys.shape[:2]
+
+    # ------------------------------------------------------------------ the padded view
     def key_positions(self) -> torch.Tensor:
-        """[B, Hkv, T] original position of every slot of the padded view (fillers sit at 0)."""
-        if self.positions is not None:
-            rect = self.positions
-        else:
-            batch, heads = self.keys.shape[:2]
-            rect = torch.arange(self.rect_len, device=self.keys.device).expand(batch, heads, self.rect_len)
-        if self.ragged is None:
-            return rect
-        return torch.cat([self.ragged.padded(self.ragged.positions).to(rect.dtype), rect], -1)
+        """int32 [B, Hkv, T]: original position of every slot of the padded view (fillers sit at 0)."""
+        batch, heads = self._shape()
+        return torch.cat([s.view_positions(o, batch, heads, self.device)
+                          for s, o in zip(self.segments, self._offsets())], -1)
 
     def key_valid(self) -> torch.Tensor:
         """[B, Hkv, T] which slots of the padded view hold real tokens."""
-        if self.valid is not None:
-            rect = self.valid
-        else:
-            batch, heads = self.keys.shape[:2]
-            rect = torch.ones(batch, heads, self.rect_len, dtype=torch.bool, device=self.keys.device)
-        if self.ragged is None:
-            return rect
-        return torch.cat([self.ragged.index_grid()[1], rect], -1)
+        batch, heads = self._shape()
+        return torch.cat([s.view_valid(batch, heads, self.device) for s in self.segments], -1)
 
     def key_valid_or_none(self) -> torch.Tensor | None:
         """key_valid(), or None when every slot of the view is a real token (masks can skip the check)."""
-        return None if self.valid is None and self.ragged is None else self.key_valid()
+        if all(not s.flat and s.valid is None for s in self.segments):
+            return None
+        return self.key_valid()
+
+    def _view_part(self, segment: Segment, values: bool, dtype=None) -> torch.Tensor:
+        if segment.low_bit:  # a transient dequantized copy, for policies that score keys (never for attention)
+            keys, vals = segment.data.dequantize(0, segment.num_slots)
+            return segment.view((vals if values else keys).to(dtype or self.dtype))
+        return segment.view(segment.data.values if values else segment.data.keys)
 
     def keys_view(self) -> torch.Tensor:
-        """[B, Hkv, T', D] full-precision keys a policy may score: the stored residual, behind the padded ragged
-        part when there is one (a transient copy). Quantized slots are not included (use key_logits)."""
-        if self.ragged is None:
-            return self.keys
-        return torch.cat([self.ragged.padded(self.ragged.keys), self.keys], 2)
+        """[B, Hkv, T, D] keys of the padded view (a transient copy unless the layer is one rectangle)."""
+        if len(self.segments) == 1:
+            return self._view_part(self.tail, values=False)
+        return torch.cat([self._view_part(s, values=False) for s in self.segments], 2)
 
     def values_view(self) -> torch.Tensor:
-        if self.ragged is None:
-            return self.values
-        return torch.cat([self.ragged.padded(self.ragged.values), self.values], 2)
+        if len(self.segments) == 1:
+            return self._view_part(self.tail, values=True)
+        return torch.cat([self._view_part(s, values=True) for s in self.segments], 2)
 
     def get_state(self, name: str) -> torch.Tensor | None:
         """Per-slot policy state [B, Hkv, T] over the padded view, or None if the policy never set it."""
-        if name not in self.slot_state:
+        if not any(name in s.state for s in self.segments):
             return None
-        rect = self.slot_state[name]
-        if self.ragged is None:
-            return rect
-        return torch.cat([self.ragged.padded(self.ragged.state[name]), rect], -1)
+        batch, heads = self._shape()
+        return torch.cat([s.view_state(name, batch, heads, self.device) for s in self.segments], -1)
 
     def set_state(self, name: str, state: torch.Tensor) -> None:
         """Store per-slot policy state given over the padded view [B, Hkv, T]."""
-        if self.ragged is None:
-            self.slot_state[name] = state
-            return
-        width = self.ragged_len
-        flat = state[..., :width][self.ragged.index_grid()[1]]
-        # a new segment object: layers cloned by evals share the old one
-        self.ragged = RaggedSegment(self.ragged.keys, self.ragged.values, self.ragged.positions,
-                                    self.ragged.lengths, {**self.ragged.state, name: flat})
-        self.slot_state[name] = state[..., width:]
+        out = []
+        for segment, offset in zip(self.segments, self._offsets()):
+            out.append(segment.with_view_state(name, state[..., offset:offset + segment.width]))
+        self.segments = out
 
     def tokens_per_head(self) -> torch.Tensor:
         """[B, Hkv] real tokens kept in each head."""
-        return self.key_valid().sum(-1)
+        return sum(s.counts() for s in self.segments)
 
+    # ------------------------------------------------------------------ eviction
     def keep(self, indices: torch.Tensor, keep_valid: torch.Tensor | None = None) -> None:
-        """Compact storage to `indices` [B, Hkv, T'] (slots to keep, per row and KV head). `keep_valid`
-        [B, Hkv, T'] flags slots kept only to make rows rectangular; they become invalid. Frees the rest."""
-        batch, heads = self.keys.shape[:2]
+        """Compact storage to `indices` [B, Hkv, T'] (slots of the padded view to keep, per row and KV head).
+        `keep_valid` [B, Hkv, T'] flags slots kept only to make rows rectangular; they become invalid. Frees the
+        rest."""
+        batch, heads = self._shape()
         if indices.dim() != 3 or indices.shape[:2] != (batch, heads):
             raise ValueError(f"keep: indices must be [B={batch}, Hkv={heads}, T'], got {tuple(indices.shape)}")
         indices, order = indices.sort(dim=-1)  # keep slots sorted by position
         if keep_valid is not None:
             keep_valid = keep_valid.gather(-1, order)
-        if self.quantized is None:
-            real = self.key_valid().gather(-1, indices)
-            if keep_valid is not None:
-                real = real & keep_valid
-            counts = real.sum(-1)
-            # Heads of a row that keep different counts go flat (no padding to the longest head). Rows that only
-            # differ from each other (left padding, configs stacked by evals) stay rectangular with filler slots,
-            # like the padding of the prompt itself, and keep the fast dense decode path.
-            if self.ragged is not None or bool((counts != counts[:, :1]).any()):
-                self._keep_ragged(indices, real)
-                return
-        width_q = 0
-        if self.quantized is not None:
-            indices, keep_valid, width_q = self._keep_segments(indices, keep_valid)
-        positions = self.key_positions().to(torch.int32)
-        valid = None if self.valid is None else self.valid.gather(-1, indices)
-        if keep_valid is not None and not bool(keep_valid.all()):
-            valid = keep_valid if valid is None else valid & keep_valid
-        n_q = self.quantized_len
-        if self.quantized is not None:
-            real = None if keep_valid is None else keep_valid[..., :width_q]
-            self.quantized = self.quantized.gather(indices[..., :width_q], real)
-        residual_idx = indices[..., width_q:] - n_q
-        self.keys, self.values = self._take_slots(self.keys, residual_idx), self._take_slots(self.values, residual_idx)
-        self.positions = positions.gather(-1, indices)
-        self.valid = valid
-        self.slot_state = {name: s.gather(-1, indices) for name, s in self.slot_state.items()}
+        parts = self._split(indices, keep_valid)
+        offsets = self._offsets()
+        low_bit = self.low_bit
+        kept = []
+        if low_bit is not None:
+            idx, ok = parts[0]
+            kept.append(low_bit.keep(idx, ok, 0))
+        full = [(s, parts[i], offsets[i]) for i, s in enumerate(self.segments) if not s.low_bit]
+        real = self.key_valid().gather(-1, indices)
+        if keep_valid is not None:
+            real = real & keep_valid
+        counts = real.sum(-1)
+        goes_flat = (low_bit is None or low_bit.flat) and (
+            self.is_flat or bool((counts != counts[:, :1]).any()))
+        if goes_flat:
+            flat = None
+            for segment, (idx, ok), offset in full:
+                part = segment.keep(idx, ok, offset).to_flat(offset)
+                flat = part if flat is None else flat.cat_runs(part)
+            kept += [flat, self._empty_tail(flat)]
+        else:
+            (segment, (idx, ok), offset), = full  # rectangular: the tail is the only full-precision segment
+            kept.append(segment.keep(idx, ok, offset))
+        self.segments = kept
+        self.compacted = True
         self.aux = {}
 
-    @staticmethod
-    def _take_slots(tensor: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-        """tensor[b, h, indices[b, h, t]] as a new [B, H, T', D] tensor. Whole D-rows are copied by one flat
-        index_select over the storage (a gather with indices expanded over D reads an index per element and is
-        about 5x slower); `tensor` may be the filled prefix of a larger buffer."""
-        batch, heads, _, dim = tensor.shape
-        if tensor.stride(-1) != 1 or tensor.stride(-2) != dim or any(
-                n % dim for n in (tensor.stride(0), tensor.stride(1), tensor.storage_offset())):
-            tensor = tensor.contiguous()
-        rows = tensor.as_strided((tensor.untyped_storage().nbytes() // (tensor.element_size() * dim), dim), (dim, 1), 0)
-        first = (tensor.storage_offset()
-                 + torch.arange(batch, device=indices.device)[:, None, None] * tensor.stride(0)
-                 + torch.arange(heads, device=indices.device)[None, :, None] * tensor.stride(1)) // dim
-        return rows.index_select(0, (indices + first).flatten()).view(batch, heads, indices.shape[-1], dim)
+    def _split(self, indices: torch.Tensor, keep_valid: torch.Tensor | None):
+        """Per segment: (slot indices relative to the segment [B, Hkv, K_s], ok [B, Hkv, K_s]); each head's kept
+        slots of a segment are a contiguous range of the sorted index list, padded with filler entries."""
+        out, offset = [], 0
+        width = indices.shape[-1]
+        valid = torch.ones_like(indices, dtype=torch.bool) if keep_valid is None else keep_valid
+        for segment in self.segments:
+            inside = (indices >= offset) & (indices < offset + segment.width)
+            first = (indices < offset).sum(-1)
+            count = inside.sum(-1)
+            rank = torch.arange(int(count.max()) if count.numel() else 0, device=indices.device)
+            at = (first[..., None] + rank).clamp(max=max(width - 1, 0))
+            ok = rank < count[..., None]
+            idx = torch.where(ok, indices.gather(-1, at) - offset, 0) if width else at
+            out.append((idx, (ok & valid.gather(-1, at)) if width else ok))
+            offset += segment.width
+        return out
 
-    def _keep_ragged(self, indices, real):
-        """Compact into a flat RaggedSegment: exactly the real kept slots, no fillers; the residual empties."""
-        batch, heads, rect, dim = self.keys.shape
-        width = self.ragged_len
-        slot = indices[real]  # view slot of every kept token, in (row, head, position) order
-        head = torch.arange(batch * heads, device=indices.device).view(batch, heads, 1).expand_as(indices)[real]
-        from_ragged = slot < width
-        src_rect = (head * rect + slot - width)[~from_ragged]
-        if self.ragged is not None:
-            src_ragged = (self.ragged.starts().flatten()[head] + slot)[from_ragged]
-
-        def pick(ragged_flat, rect_tensor):
-            out = rect_tensor.new_zeros(slot.shape[0], *rect_tensor.shape[3:])
-            if ragged_flat is not None:
-                out[from_ragged] = ragged_flat[src_ragged]
-            out[~from_ragged] = rect_tensor.reshape(batch * heads * rect, *rect_tensor.shape[3:])[src_rect]
-            return out
-
-        rect_positions = self.key_positions()[..., width:].to(torch.int32)
-        old = self.ragged
-        self.ragged = RaggedSegment(
-            pick(old and old.keys, self.keys), pick(old and old.values, self.values),
-            pick(old and old.positions, rect_positions), real.sum(-1),
-            {name: pick(old and old.state.get(name), state) for name, state in self.slot_state.items()},
-        )
-        self.keys = self.keys.new_empty(batch, heads, 0, dim)
-        self.values = self.values.new_empty(batch, heads, 0, self.values.shape[-1])
-        self.positions = rect_positions.new_empty(batch, heads, 0)
-        self.valid = None
-        self.slot_state = {name: s.new_empty(batch, heads, 0) for name, s in self.slot_state.items()}
-        self.aux = {}
+    def _empty_tail(self, like: Segment) -> Segment:
+        batch, heads = self._shape()
+        keys, values = self.tail.data.keys, self.tail.data.values
+        return Segment(FullPrecision(keys.new_empty(batch, heads, 0, keys.shape[-1]),
+                                     values.new_empty(batch, heads, 0, values.shape[-1])),
+                       torch.zeros(batch, heads, 0, dtype=torch.int32, device=self.device), None,
+                       {n: torch.zeros(batch, heads, 0, device=self.device) for n in like.state})
 
     def to_rectangular(self) -> None:
-        """Pad ragged heads back into the rectangular layout (invalid filler slots), for readers that index a
-        rectangle (low-bit codecs, read views). Costs the widest head's memory in every head."""
-        # every view first: each one reads the current split between the ragged and rectangular parts
-        views = (self.keys_view(), self.values_view(), self.key_positions().to(torch.int32), self.key_valid(),
-                 {name: self.get_state(name) for name in self.slot_state})
-        self.keys, self.values, self.positions, self.valid, self.slot_state = views
-        self.ragged = None
+        """Pad a flat layer back into one rectangle (invalid filler slots), for readers that index a rectangle
+        (read views). Costs the widest head's memory in every head."""
+        if not self.is_flat:
+            return
+        if self.low_bit is not None:
+            raise RuntimeError("to_rectangular: a flat layer with low-bit codes cannot be padded back")
+        names = {n for s in self.segments for n in s.state}
+        views = (self.keys_view(), self.values_view(), self.key_positions(), self.key_valid(),
+                 {n: self.get_state(n) for n in names})
+        self.segments = [Segment(FullPrecision(views[0], views[1]), views[2], views[3], views[4])]
         self.aux = {}
 
-    def _keep_segments(self, indices, keep_valid):
-        """Kept slots of each row/head split into quantized and full-precision parts; rows/heads that keep
-        fewer in a part get invalid filler slots there, so both parts stay rectangular and aligned."""
-        n_q = self.quantized_len
-        width = indices.shape[-1]
-        in_q = (indices < n_q).sum(-1)  # [B, H]; sorted, so quantized slots come first
-        width_q, width_r = int(in_q.max()), int((width - in_q).max())
-        rank_q = torch.arange(width_q, device=indices.device)
-        rank_r = torch.arange(width_r, device=indices.device)
-        q_idx = indices.gather(-1, rank_q.expand(*indices.shape[:2], width_q).clamp(max=width - 1))
-        q_ok = rank_q < in_q[..., None]
-        r_pos = (in_q[..., None] + rank_r).clamp(max=width - 1)
-        r_idx = indices.gather(-1, r_pos)
-        r_ok = rank_r < (width - in_q)[..., None]
-        valid = torch.ones_like(indices, dtype=torch.bool) if keep_valid is None else keep_valid
-        new_valid = torch.cat([q_ok & valid.gather(-1, rank_q.expand_as(q_idx).clamp(max=width - 1)),
-                               r_ok & valid.gather(-1, r_pos)], -1)
-        new_idx = torch.cat([torch.where(q_ok, q_idx, 0), torch.where(r_ok, r_idx, n_q)], -1)
-        return new_idx, new_valid, width_q
-
-    def quantize_oldest(self, n: int, encode) -> None:
-        """Move the oldest `n` full-precision slots into the quantized segment via `encode(k, v, valid)`."""
+    def flush_low_bit(self, residual: int, group: int, encode) -> None:
+        """Move the oldest full-precision slots into low-bit codes via `encode(keys, values, valid)` (rectangular
+        [B, Hkv, n, D], n a multiple of `group`), keeping at least `residual` newest slots in full precision
+        (per head in a flat layer). Returns nothing; the low-bit segment grows."""
+        if self.is_flat:
+            self._flush_flat(residual, group, encode)
+            return
+        # rectangular: the same number of slots in every head (fillers count as slots)
+        n = ((self.stored - self.quantized_len - residual) // group) * group
         if n <= 0:
             return
-        if self.ragged is not None:
-            # Low-bit groups span the same slots in every head: pad ragged heads back to a rectangle with invalid
-            # fillers (only left-padded batch rows get here; per-head budgets + codec is refused at validation).
-            self.to_rectangular()
-        start = self.quantized_len
-        segment = encode(self.keys[:, :, :n], self.values[:, :, :n], self.key_valid()[..., start:start + n])
-        self.quantized = segment if self.quantized is None else self.quantized.append(segment)
-        self.keys = self.keys[:, :, n:].clone()
-        self.values = self.values[:, :, n:].clone()
+        tail = self.tail
+        moved = Segment(encode(tail.data.keys[:, :, :n], tail.data.values[:, :, :n],
+                               tail.view_valid(*self._shape(), self.device)[..., :n]),
+                        None if tail.positions is None else tail.positions[..., :n],
+                        None if tail.valid is None else tail.valid[..., :n],
+                        {name: s[..., :n] for name, s in tail.state.items()})
+        rest = Segment(FullPrecision(tail.data.keys[:, :, n:].clone(), tail.data.values[:, :, n:].clone()),
+                       None if tail.positions is None else tail.positions[..., n:].clone(),
+                       None if tail.valid is None else tail.valid[..., n:].clone(),
+                       {name: s[..., n:].clone() for name, s in tail.state.items()})
+        low_bit = self.low_bit
+        if low_bit is not None:
+            moved = Segment(low_bit.data.append(moved.data), _cat(low_bit.positions, moved.positions),
+                            _cat_valid(low_bit, moved), {name: torch.cat([low_bit.state[name], s], -1)
+                                                          for name, s in moved.state.items()})
+        self.segments = [moved, rest]
         self.aux = {}
 
-    def key_logits(self, query: torch.Tensor, scaling: float, softcap: float | None = None,
-                   upto: int | None = None, block: int = 4096, residual_fp32: torch.Tensor | None = None
-                   ) -> torch.Tensor:
-        """fp32 logits [B, Hkv, g, r, T'] of query rows [B, Hq, r, D] against the first `upto` slots (all by
-        default), grouping query heads under their KV head; the quantized part is read block by block.
-        `residual_fp32`: `keys.float()` computed once by a caller that asks for many query blocks."""
+    def _flush_flat(self, residual: int, group: int, encode) -> None:
+        """Flat layer: each head moves its oldest whole groups, keeping >= residual full-precision tokens."""
+        fp = self._flat_full_precision()
+        n_move = ((fp.lengths - residual).clamp(min=0) // group) * group  # [B, Hkv]
+        if not bool((n_move > 0).any()):
+            return
+        grid, ok = fp.grid()
+        rank = torch.arange(grid.shape[-1], device=grid.device)
+        move = ok & (rank < n_move[..., None])
+        width = int(n_move.max())
+        # Encode the moved tokens per head (groups never span two heads): as a rectangle padded with invalid
+        # fillers, which never stretch a group's range, then flattened without them.
+        real = move[..., :width]
+        codes = encode(fp.view(fp.data.keys)[:, :, :width], fp.view(fp.data.values)[:, :, :width], real)
+        moved = Segment(codes, fp.view(fp.positions)[..., :width], real,
+                        {n: fp.view(s)[..., :width] for n, s in fp.state.items()}).to_flat(0)
+        kept = fp.keep(*_rank_select(ok & ~move), 0)
+        low_bit = self.low_bit
+        self.segments = [moved if low_bit is None else low_bit.cat_runs(moved), kept, self._empty_tail(kept)]
+        self.aux = {}
+
+    def _flat_full_precision(self, names=()) -> Segment:
+        """Every full-precision token of this layer as one flat segment (with per-slot state `names` at least)."""
+        flat = None
+        for segment, offset in zip(self.segments, self._offsets()):
+            if not segment.low_bit:
+                part = segment.to_flat(offset).with_states(names)
+                flat = part if flat is None else flat.cat_runs(part)
+        return flat
+
+    # ------------------------------------------------------------------ reading
+    def attention(self, queries: Queries, precision: int | None = None, use_triton: bool | None = None,
+                  state=None) -> torch.Tensor:
+        """Attention of `queries` over every stored slot, [B, Hq, r, D]: each segment through the kernel for its
+        kind, folded into one online softmax."""
+        hkv = self.num_kv_heads
+        state = empty_state(queries.grouped(hkv)) if state is None else state
+        batch, heads = self._shape()
+        for segment, offset in zip(self.segments, self._offsets()):
+            if segment.width == 0:
+                continue
+            positions = segment.view_positions(offset, batch, heads, self.device)
+            if segment.low_bit and segment.flat:
+                state = flat_lowbit_attention_state(queries, segment.data, segment.positions, segment.lengths, state,
+                                                    precision)
+            elif segment.low_bit:
+                state = lowbit_attention_state(queries, segment.data, positions, segment.valid, state, precision,
+                                               use_triton)
+            elif segment.flat:
+                indices, ok = segment.grid()
+                state = sparse_attention_state(queries, segment.data.keys[0, 0], segment.data.values[0, 0],
+                                               segment.positions[0, 0], Selection(indices, ok), state, use_triton)
+            else:
+                state = dense_attention_state(queries, segment.data.keys, segment.data.values, positions,
+                                              segment.valid, state)
+        return finish(state, queries)
+
+    def attend(self, read: Read, base) -> torch.Tensor:
+        """The read path of one attention call, [B, q_len, Hq, D] (transformers' layout). `base(query, keys,
+        values, mask)` runs the model's own attention implementation; mask None means transformers' mask (valid
+        only while slot j holds position j), else a boolean [B, Hq, q, T] mask."""
+        queries = read.queries
+        if read.select is not None and self.low_bit is None:
+            self.to_rectangular()  # read views pick slots of a rectangle
+            keys = self.keys_view() if read.keys is None else read.keys
+            out = sparse_attention(queries, keys, self.values_view(), self.key_positions(), read.select())
+            return out.transpose(1, 2).contiguous()
+        if len(self.segments) > 1 or self.tail.flat:
+            # low-bit codes or flat runs: each segment through its own kernel, one softmax
+            return self.attention(queries, read.precision).transpose(1, 2).contiguous()
+        keys = self.tail.data.keys if read.keys is None else read.keys
+        if not self.compacted:
+            return base(queries.values, keys, self.tail.data.values, None)
+        # Slot j no longer sits at position j: transformers' mask does not describe this layer; build ours. Long
+        # queries (a chunked prefill's next chunk, a long extension) run in row blocks so the mask stays small.
+        positions, valid = self.key_positions(), self.tail.valid
+        outs = []
+        for start in range(0, queries.values.shape[2], _MASK_ROWS):
+            rows = queries.rows(start, start + _MASK_ROWS)
+            allowed = rows.allowed(positions, valid).repeat_interleave(rows.values.shape[1] // self.num_kv_heads, 1)
+            outs.append(base(rows.values, keys, self.tail.data.values, allowed))
+        return outs[0] if len(outs) == 1 else torch.cat(outs, 1)
+
+    def key_logits(self, query: torch.Tensor, scaling: float, softcap: float | None = None, upto: int | None = None,
+                   block: int = 4096, fp32_keys: dict | None = None) -> torch.Tensor:
+        """fp32 logits [B, Hkv, g, r, T'] of query rows [B, Hq, r, D] against the first `upto` slots of the padded
+        view (all by default), grouping query heads under their KV head; low-bit codes are read block by block.
+        `fp32_keys`: a dict a caller that asks for many query blocks passes again each time, so full-precision
+        keys of a low-precision model are converted once."""
         batch, hq, rows, dim = query.shape
-        hkv = self.keys.shape[1]
+        hkv = self.num_kv_heads
         upto = self.stored if upto is None else upto
         # scaled on the query side: r x D multiplies instead of r x T (these logits are a policy's largest work)
         q = query.reshape(batch, hkv, hq // hkv, rows, dim).float() * scaling
-        parts = []
-        if self.ragged is not None:  # (never together with a quantized segment)
-            keys = self.keys_view()[:, :, :upto].float()
-            parts.append(torch.einsum("bhgrd,bhtd->bhgrt", q, keys))
-            upto = 0
-        for start in range(0, min(upto, self.quantized_len), block):
-            keys = self.quantized.dequantize_keys(start, min(start + block, upto, self.quantized_len))
-            parts.append(torch.einsum("bhgrd,bhtd->bhgrt", q, keys))
-        if upto > self.quantized_len:
-            keys = self.keys if residual_fp32 is None else residual_fp32
-            parts.append(torch.einsum("bhgrd,bhtd->bhgrt", q, keys[:, :, : upto - self.quantized_len].float()))
+        parts, offset = [], 0
+        for i, segment in enumerate(self.segments):
+            n = min(segment.width, upto - offset)
+            if n <= 0:
+                break
+            if segment.low_bit and not segment.flat:
+                for start in range(0, n, block):
+                    keys = segment.data.dequantize_keys(start, min(start + block, n))
+                    parts.append(torch.einsum("bhgrd,bhtd->bhgrt", q, keys))
+            else:
+                keys = None if fp32_keys is None else fp32_keys.get(i)
+                if keys is None:
+                    keys = self._view_part(segment, values=False, dtype=torch.float32).float()
+                    if fp32_keys is not None and segment_dtype(segment) != torch.float32:
+                        fp32_keys[i] = keys
+                parts.append(torch.einsum("bhgrd,bhtd->bhgrt", q, keys[:, :, :n]))
+            offset += segment.width
         logits = parts[0] if len(parts) == 1 else torch.cat(parts, -1)
         if softcap is not None:
             logits = torch.tanh(logits / softcap) * softcap
         return logits
 
+    # ------------------------------------------------------------------ bytes
     def nbytes(self) -> int:
-        """Bytes held by this layer's storage tensors (keys, values, positions, validity, policy state)."""
-        return sum(t.numel() * t.element_size() for t in self._tensors())
+        """Bytes held by this layer's storage tensors (keys, values or codes, positions, validity, state)."""
+        return sum(t.numel() * t.element_size() for s in self.segments for t in s.tensors()) \
+            if self.is_initialized else 0
 
     def kv_nbytes(self) -> int:
-        """Bytes held by keys and values alone."""
-        if not self.is_initialized:
-            return 0
-        quantized = 0 if self.quantized is None else self.quantized.nbytes()
-        quantized += 0 if self.ragged is None else self.ragged.kv_nbytes()
-        return quantized + sum(t.numel() * t.element_size() for t in self._kv_storage())
+        """Bytes held by keys and values (or their codes) alone."""
+        return sum(s.kv_nbytes() for s in self.segments) if self.is_initialized else 0
 
-    # ------------------------------------------------------------------ internals
-    def _kv_storage(self) -> tuple:
-        """The full-precision K/V tensors as allocated: the buffers with their spare room, if any."""
-        return (self._keys, self._values) if self._room is None else self._room
-
-    def _tensors(self):
-        if not self.is_initialized:
-            return []
-        extra = [t for t in (self.positions, self.valid) if t is not None]
-        quantized = [] if self.quantized is None else self.quantized.tensors()
-        quantized += [] if self.ragged is None else self.ragged.tensors()
-        return [*self._kv_storage(), *quantized, *extra, *self.slot_state.values()]
-
-    def _truncate(self, n: int) -> None:
-        """Keep the first n slots of the view (all ragged and quantized ones among them). K/V in the layer's own
-        buffer just shrink their view (the rest becomes spare room, counted by nbytes()); anything else is cloned:
-        a view would keep the whole old tensor alive and nbytes() would under-report it."""
-        view_n, n = n, n - self.ragged_len
-        r = n - self.quantized_len
-        if self._room is not None:
-            self._keys, self._values = self._room[0][:, :, :r], self._room[1][:, :, :r]
+    # ------------------------------------------------------------------ rows of one batch
+    @classmethod
+    def stack(cls, layers: list["KVPressLayer"]) -> "KVPressLayer":
+        """Rows of one batch from single-row layers that have seen the same tokens. Rectangular layers are
+        left-padded to the widest with invalid slots (sorted order holds: fillers sit at position 0); if any
+        layer is flat, every layer's tokens go flat and the runs are concatenated (no padding). Low-bit layers
+        cannot be stacked."""
+        if len(layers) == 1:
+            return layers[0].fork()
+        if len({l.seen for l in layers}) != 1:
+            raise ValueError(f"stack: rows of one batch must have seen the same tokens; got {[l.seen for l in layers]}")
+        if any(l.low_bit is not None for l in layers):
+            raise ValueError("stack: layers holding low-bit codes cannot be stacked as rows; decode them alone")
+        first = layers[0]
+        out = cls()
+        out.is_initialized, out.dtype, out.device = True, first.dtype, first.device
+        out.seen, out.last_q_len = first.seen, first.last_q_len
+        out.compacted = True
+        names = sorted({n for l in layers for s in l.segments for n in s.state})
+        if any(l.is_flat for l in layers):
+            flats = [l._flat_full_precision(names) for l in layers]
+            seg = Segment(FullPrecision(torch.cat([f.data.keys for f in flats], 2),
+                                        torch.cat([f.data.values for f in flats], 2)),
+                          torch.cat([f.positions for f in flats], -1),
+                          state={n: torch.cat([f.state[n] for f in flats], -1) for n in names},
+                          lengths=torch.cat([f.lengths for f in flats]))
+            out.segments = [seg]
+            out.segments.append(out._empty_tail(seg))
         else:
-            self.keys = self.keys[:, :, :r].clone()
-            self.values = self.values[:, :, :r].clone()
-        if self.positions is not None:
-            self.positions = self.positions[..., :n].clone()
-        if self.valid is not None:
-            self.valid = self.valid[..., :n].clone()
-        self.slot_state = {name: s[..., :n].clone() for name, s in self.slot_state.items()}
-        for derived in self.aux.values():
-            derived.truncate(view_n)
+            width = max(l.stored for l in layers)
+            pads = [width - l.stored for l in layers]
+            pad = torch.nn.functional.pad
+            keys = torch.cat([pad(l.keys_view(), (0, 0, p, 0)) for l, p in zip(layers, pads)])
+            values = torch.cat([pad(l.values_view(), (0, 0, p, 0)) for l, p in zip(layers, pads)])
+            positions = torch.cat([pad(l.key_positions(), (p, 0)) for l, p in zip(layers, pads)])
+            valid = torch.cat([pad(l.key_valid(), (p, 0), value=False) for l, p in zip(layers, pads)])
+            batch_heads = (1, first.num_kv_heads)
+            state = {n: torch.cat([pad(l.get_state(n) if l.get_state(n) is not None else
+                                       torch.zeros(*batch_heads, l.stored, device=first.device), (p, 0))
+                                   for l, p in zip(layers, pads)]) for n in names}
+            out.segments = [Segment(FullPrecision(keys, values), positions, valid, state)]
+        if all(l.row_budget is not None for l in layers):
+            out.row_budget = torch.cat([l.row_budget for l in layers])
+        if len({l.decode_start for l in layers}) == 1:
+            out.decode_start = first.decode_start
+        return out
 
-    def _map_tensors(self, fn, include_rows: bool = False) -> None:
-        self.keys, self.values = fn(self.keys), fn(self.values)
-        if self.quantized is not None:
-            self.quantized = self.quantized.map_rows(fn)
-        if self.ragged is not None:
-            self.ragged = self.ragged.map_rows(fn)
-        if self.positions is not None:
-            self.positions = fn(self.positions)
-        if self.valid is not None:
-            self.valid = fn(self.valid)
-        self.slot_state = {name: fn(s) for name, s in self.slot_state.items()}
-        if include_rows and self.row_budget is not None:
-            self.row_budget = fn(self.row_budget)
-        self.aux = {}
+
+def segment_dtype(segment: Segment):
+    return segment.data.keys.dtype if isinstance(segment.data, FullPrecision) else torch.float32
+
+
+def _cat(a, b):
+    return None if a is None and b is None else torch.cat([a, b], -1)
+
+
+def _cat_valid(a: Segment, b: Segment):
+    if a.valid is None and b.valid is None:
+        return None
+    batch, heads = a.data_shape()
+    return torch.cat([a.view_valid(batch, heads, a.valid.device if a.valid is not None else b.valid.device),
+                      b.view_valid(batch, heads, b.valid.device if b.valid is not None else a.valid.device)], -1)
+
+
+def _rank_select(mask: torch.Tensor):
+    """(indices, ok) of the True entries of mask [B, H, W], per head, in order, padded to the widest head."""
+    count = mask.sum(-1)
+    width = int(count.max()) if count.numel() else 0
+    order = (~mask).long().argsort(-1, stable=True)[..., :width]
+    ok = torch.arange(width, device=mask.device) < count[..., None]
+    return order, ok

@@ -19,14 +19,12 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..cache import KVPressCache, KVPressLayer
-from ..kernels import allowed_mask
-from ..kernels.quant_attention import quantized_attention
-from ..kernels.ragged_attention import ragged_attention
-from ..kernels.sparse_attention import sparse_attention
+from ..cache.layer import Read
+from ..kernels.online_softmax import Queries
+from ..kernels.sparse_attention import Selection
 from ..policies import Context, Policy, resolve_policy
 
 SUPPORTED_BASES = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")
-_MASK_ROWS = 256  # query rows per block when attention needs kvpress's own dense mask
 _PREFIX = "kvpress_"
 
 _BINDINGS: "weakref.WeakKeyDictionary[torch.nn.Module, _Binding]" = weakref.WeakKeyDictionary()
@@ -71,37 +69,22 @@ def kvpress_attention(module, query, key, value, attention_mask, **kwargs):
         budget_layer=binding.budget_layer,
     )
     # A read view: the cache's draft view during self-speculation, else a read policy after prefill.
-    selector = cache.read_view
-    if selector is None and patch.policy.selects and phase != "prefill":
-        selector = patch.policy
-    precision = getattr(selector, "read_precision", None)
-    if layer.ragged is not None and selector is not None and selector.selects:
-        # Read views pick slots of a rectangle: pad ragged heads back (invalid fillers, the widest head's memory).
-        layer.to_rectangular()
-    if layer.ragged is not None:
-        # Heads hold different numbers of tokens, stored flat: the gather kernel reads each head's own run.
-        out = ragged_attention(query, layer.ragged, layer.keys, layer.values, layer.positions, layer.valid,
-                               ctx.query_positions(), ctx.scaling, ctx.sliding_window, ctx.softcap)
-        out = (out.transpose(1, 2).contiguous(), None)
-    elif selector is not None and selector.selects and layer.quantized is None:
-        keys = patch.policy.key_view(ctx)
-        indices, index_valid = selector.select(ctx)
-        index_valid = index_valid & layer.key_valid().gather(-1, indices)
-        out = sparse_attention(query, keys, layer.values, indices, index_valid, layer.key_positions(),
-                               ctx.query_positions(), ctx.scaling, ctx.sliding_window, ctx.softcap)
-        out = (out.transpose(1, 2).contiguous(), None)
-    elif layer.quantized is not None:
-        # Older slots are low-bit: read the packed codes block by block, never a full-precision copy.
-        out = quantized_attention(query, layer.quantized, layer.keys, layer.values, layer.key_positions(),
-                                  layer.valid, ctx.query_positions(), ctx.scaling, ctx.sliding_window, ctx.softcap,
-                                  precision)
-        out = (out.transpose(1, 2).contiguous(), None)
-    elif layer.is_compacted:
-        # Slot j no longer sits at position j: the HF mask does not describe this layer; build ours.
-        out = patch.attention_with_mask(module, query, patch.policy.key_view(ctx), value, ctx, **kwargs)
-    else:
-        out = patch.base_attention(module, query, patch.policy.key_view(ctx), value, attention_mask, **kwargs)
+    view = cache.read_view
+    if view is None and patch.policy.selects and phase != "prefill":
+        view = patch.policy
+    read = Read(
+        Queries(query, ctx.query_positions(), ctx.scaling, ctx.softcap, ctx.sliding_window),
+        keys=patch.policy.key_view(ctx) if patch.policy.rewrites_keys else None,
+        select=(lambda: Selection(*_selection(view, ctx))) if view is not None and view.selects else None,
+        precision=getattr(view, "read_precision", None),
+    )
 
+    def base(q, keys, values, mask):
+        if mask is None:
+            return patch.base_attention(module, q, keys, values, attention_mask, **kwargs)[0]
+        return patch.masked_attention(module, q, keys, values, mask, **kwargs)[0]
+
+    out = (layer.attend(read, base), None)
     # Attention above used the full, uncompressed view (prefill is exact); now the policy may evict.
     if phase == "prefill":
         patch.policy.on_prefill(ctx)
@@ -110,6 +93,11 @@ def kvpress_attention(module, query, key, value, attention_mask, **kwargs):
     else:
         patch.policy.on_extend(ctx)
     return out
+
+
+def _selection(view, ctx: Context):
+    indices, valid = view.select(ctx)
+    return indices, valid & ctx.layer.key_valid().gather(-1, indices)
 
 
 # ---------------------------------------------------------------------------- patch
@@ -159,21 +147,8 @@ class Patch:
     def base_attention(self, module, query, key, value, attention_mask, **kwargs):
         return self._base_fn(module, query, key, value, attention_mask, **kwargs)
 
-    def attention_with_mask(self, module, query, key, value, ctx: Context, **kwargs):
-        """Base attention over a compacted layer, with the mask built from stored positions/validity. Long
-        queries (a chunked prefill's next chunk, a long extension) run in blocks of _MASK_ROWS rows, so the
-        dense [B, Hq, rows, T] mask and the base's attention weights stay small."""
-        positions = ctx.query_positions()
-        if query.shape[2] <= _MASK_ROWS:
-            return self._attention_with_mask(module, query, key, value, ctx, positions, **kwargs)
-        outs = [self._attention_with_mask(module, query[:, :, s:s + _MASK_ROWS], key, value, ctx,
-                                          positions[s:s + _MASK_ROWS], **kwargs)[0]
-                for s in range(0, query.shape[2], _MASK_ROWS)]
-        return torch.cat(outs, 1), None  # base outputs are [B, rows, Hq, D]
-
-    def _attention_with_mask(self, module, query, key, value, ctx, query_positions, **kwargs):
-        allowed = allowed_mask(query_positions, ctx.layer.key_positions(), ctx.layer.valid, ctx.sliding_window)
-        allowed = allowed.repeat_interleave(ctx.group_size, dim=1)  # [B, Hq, q, T]
+    def masked_attention(self, module, query, key, value, allowed, **kwargs):
+        """Base attention with kvpress's own boolean mask [B, Hq, q, T] (a compacted layer)."""
         if self.base == "eager":
             mask = torch.zeros(allowed.shape, dtype=query.dtype, device=query.device)
             mask = mask.masked_fill(~allowed, torch.finfo(query.dtype).min)

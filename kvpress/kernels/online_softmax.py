@@ -1,17 +1,49 @@
-"""Online-softmax pieces shared by the block-wise attention kernels (torch side)."""
+"""What every read kernel shares: the query side of one attention call (`Queries`), and the online-softmax
+state (running max, running sum, accumulator) that kernels return, so a layer made of several storage segments
+folds them into one softmax (flash-decoding style)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from .scores import allowed_mask
 
-def empty_state(query_grouped: torch.Tensor):
+State = tuple  # (m [B, Hkv, g, r], l [B, Hkv, g, r], acc [B, Hkv, g, r, D]), fp32
+
+
+@dataclass(frozen=True)
+class Queries:
+    """The query rows of one attention call and how they read the cache."""
+
+    values: torch.Tensor  # [B, Hq, r, D] post-RoPE
+    positions: torch.Tensor  # [r] raw positions of the rows (shared by every batch row)
+    scaling: float
+    softcap: float | None = None
+    sliding_window: int | None = None
+
+    def grouped(self, kv_heads: int) -> torch.Tensor:
+        """fp32 [B, Hkv, g, r, D]: query heads grouped under their KV head (GQA, never repeating keys)."""
+        batch, hq, rows, dim = self.values.shape
+        return self.values.reshape(batch, kv_heads, hq // kv_heads, rows, dim).float()
+
+    def allowed(self, key_positions: torch.Tensor, key_valid: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, Hkv, r, T] may each row read each slot (causal by original position, real slots, window)."""
+        return allowed_mask(self.positions, key_positions, key_valid, self.sliding_window)
+
+    def rows(self, start: int, end: int) -> "Queries":
+        return Queries(self.values[:, :, start:end], self.positions[start:end], self.scaling, self.softcap,
+                       self.sliding_window)
+
+
+def empty_state(query_grouped: torch.Tensor) -> State:
     """(running max, running sum, accumulator) for query rows [B, Hkv, g, r, D]."""
     m = torch.full(query_grouped.shape[:-1], float("-inf"), device=query_grouped.device)
     return m, torch.zeros_like(m), torch.zeros_like(query_grouped, dtype=torch.float32)
 
 
-def block_update(state, q, keys, values, scaling, softcap, allowed):
+def block_update(state: State, q, keys, values, scaling, softcap, allowed) -> State:
     """One block. q [B,Hkv,g,r,D] fp32; keys/values [B,Hkv,n,D] fp32; allowed [B,Hkv,r,n]."""
     m, l, acc = state
     logits = torch.einsum("bhgrd,bhnd->bhgrn", q, keys) * scaling
@@ -27,7 +59,15 @@ def block_update(state, q, keys, values, scaling, softcap, allowed):
     return m_new, l, acc
 
 
-def merge_splits(m_part, l_part, acc_part, shape, dim):
+def merge_states(a: State, b: State) -> State:
+    """One state from two over disjoint slot sets (exact when either is empty)."""
+    m = torch.maximum(a[0], b[0])
+    safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    wa, wb = torch.exp(a[0] - safe), torch.exp(b[0] - safe)
+    return m, a[1] * wa + b[1] * wb, a[2] * wa[..., None] + b[2] * wb[..., None]
+
+
+def merge_splits(m_part, l_part, acc_part, shape, dim) -> State:
     """Merge per-split partials [BH, S, M(, D)] of a split-K kernel into one state shaped `shape` (+ D)."""
     rows = shape[-1] * shape[-2]
     m = m_part.amax(1)
@@ -38,7 +78,18 @@ def merge_splits(m_part, l_part, acc_part, shape, dim):
     return m[:, :rows].reshape(shape), l[:, :rows].reshape(shape), acc[:, :rows].reshape(*shape, dim)
 
 
-def finish(state, query):
+def finish(state: State, queries: Queries) -> torch.Tensor:
+    """The normalised output [B, Hq, r, D] in the query's dtype."""
     _, l, acc = state
-    batch, hq, rows, dim = query.shape
-    return (acc / l[..., None]).reshape(batch, hq, rows, dim).to(query.dtype)
+    batch, hq, rows, dim = queries.values.shape
+    return (acc / l[..., None]).reshape(batch, hq, rows, dim).to(queries.values.dtype)
+
+
+def dense_attention_state(queries: Queries, keys, values, positions, valid=None, state: State | None = None) -> State:
+    """Rectangular full-precision slots [B, Hkv, T, D] with their positions [B, Hkv, T] and validity."""
+    q = queries.grouped(keys.shape[1])
+    state = empty_state(q) if state is None else state
+    if keys.shape[2] == 0:
+        return state
+    return block_update(state, q, keys.float(), values.float(), queries.scaling, queries.softcap,
+                        queries.allowed(positions, valid))

@@ -2,9 +2,10 @@
 
 Split-K (flash-decoding): program (b*h, s) covers a range of quantized slots in blocks of BLOCK_T. Each block
 unpacks the uint8 codes in registers, applies the per-group scale/min, and feeds tl.dot; an online softmax
-accumulates. The per-split partials (max, sum, acc) are merged in torch together with the full-precision
-residual. All query heads of a GQA group (x q_len rows) share one program, so each code is read once.
-On CPU the same kernel runs under TRITON_INTERPRET=1 (tests); `quantized_attention` uses it on CUDA.
+accumulates. The per-split partials (max, sum, acc) are merged in torch into one state, which the layer folds
+with its other segments. All query heads of a GQA group (x q_len rows) share one program, so each code is
+read once. On CPU the same kernel runs under TRITON_INTERPRET=1 (tests); `lowbit_attention_state` uses it on
+CUDA for rectangular KIVI codes.
 """
 
 from __future__ import annotations
@@ -135,48 +136,38 @@ def partial_buffers(programs: int, splits: int, m_pad: int, dim: int, device):
     return m, torch.empty_like(m), torch.empty(programs, splits, m_pad, dim, device=device, dtype=torch.float32)
 
 
-def quantized_attention_triton(query, segment, residual_keys, residual_values, key_positions, key_valid,
-                               query_positions, scaling, sliding_window=None, softcap=None, precision=None,
-                               block_t: int = 64, target_programs: int = 512):
-    """Same signature and result as `quantized_attention_reference`."""
-    from .online_softmax import block_update, finish, merge_splits
+def lowbit_attention_state_triton(queries, codes, positions, valid=None, precision=None, block_t: int = 64,
+                                  target_programs: int = 512):
+    """Online-softmax state over rectangular low-bit codes [B, Hkv, T], as `lowbit_attention_state_reference`."""
+    from .online_softmax import merge_splits
 
-    if softcap is not None:
+    if queries.softcap is not None:
         raise ValueError("softcap is not supported by the Triton low-bit kernel; use the reference")
-    if precision not in (None, segment.bits) and not (segment.bits == 8 and precision == 4):
+    if precision not in (None, codes.bits) and not (codes.bits == 8 and precision == 4):
         raise ValueError(f"precision={precision}; allowed values: None, or 4 on an 8-bit segment")
+    query = queries.values
     batch, hq, rows, dim = query.shape
-    hkv = residual_keys.shape[1]
+    hkv = codes.k_codes.shape[1]
     g = hq // hkv
     m_rows = g * rows
     m_pad = max(16, triton.next_power_of_2(m_rows))
-    n_q = segment.num_slots
-    t_all = key_positions.shape[-1]
+    n_q = codes.num_slots
     q = query.reshape(batch * hkv, m_rows, dim).contiguous()
     splits, split_len = plan_splits(n_q, batch * hkv, block_t, target_programs)
     m_part, l_part, acc_part = partial_buffers(batch * hkv, splits, m_pad, dim, query.device)
-    positions = key_positions.to(torch.int32).contiguous()
-    valid = positions if key_valid is None else key_valid.to(torch.int8).contiguous()
-    groups = segment.k_group
+    positions = positions.to(torch.int32).contiguous()
+    valid_arg = positions if valid is None else valid.to(torch.int8).contiguous()
+    groups = codes.k_group
     _quant_attn_kernel[(batch * hkv, splits)](
-        q, segment.k_codes.contiguous(), segment.k_scale.contiguous(), segment.k_min.contiguous(),
+        q, codes.k_codes.contiguous(), codes.k_scale.contiguous(), codes.k_min.contiguous(),
         positions if groups is None else groups.to(torch.int32).contiguous(),
-        segment.v_codes.contiguous(), segment.v_scale.contiguous(), segment.v_min.contiguous(),
-        positions, valid, query_positions.to(torch.int32).contiguous(),
+        codes.v_codes.contiguous(), codes.v_scale.contiguous(), codes.v_min.contiguous(),
+        positions, valid_arg, queries.positions.to(torch.int32).contiguous(),
         m_part, l_part, acc_part,
-        n_q, t_all, segment.k_scale.shape[2], split_len, splits, float(scaling),
-        int(sliding_window or 0),
-        M=m_rows, M_PAD=m_pad, R=rows, D=dim, BITS=segment.bits, G=segment.group_size, BLOCK_T=block_t,
-        HAS_GROUP=groups is not None, HAS_VALID=key_valid is not None, HAS_WINDOW=sliding_window is not None,
-        UPPER4=precision == 4 and segment.bits == 8,
+        n_q, n_q, codes.k_scale.shape[2], split_len, splits, float(queries.scaling),
+        int(queries.sliding_window or 0),
+        M=m_rows, M_PAD=m_pad, R=rows, D=dim, BITS=codes.bits, G=codes.group_size, BLOCK_T=block_t,
+        HAS_GROUP=groups is not None, HAS_VALID=valid is not None, HAS_WINDOW=queries.sliding_window is not None,
+        UPPER4=precision == 4 and codes.bits == 8,
     )
-    # merge the splits, then the full-precision residual, in fp32
-    state = merge_splits(m_part, l_part, acc_part, (batch, hkv, g, rows), dim)
-    if residual_keys.shape[2]:
-        from .scores import allowed_mask
-
-        allowed = allowed_mask(query_positions, key_positions[..., n_q:],
-                               None if key_valid is None else key_valid[..., n_q:], sliding_window)
-        qf = query.reshape(batch, hkv, g, rows, dim).float()
-        state = block_update(state, qf, residual_keys.float(), residual_values.float(), scaling, None, allowed)
-    return finish(state, query)
+    return merge_splits(m_part, l_part, acc_part, (batch, hkv, g, rows), dim)

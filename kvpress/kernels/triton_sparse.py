@@ -1,7 +1,7 @@
 """Triton kernel: attention over gathered slot indices, loading K/V rows straight from the cache.
 
 Split-K over the index list; program (b*h, s) loads BLOCK_T indices, then their key/value rows, and keeps an
-online softmax; partials are merged in torch. Same signature as `sparse_attention_reference`.
+online softmax; partials are merged in torch. Same signature as `sparse_attention_state_reference`.
 """
 
 from __future__ import annotations
@@ -53,27 +53,19 @@ if triton is not None:
         store_partials(m_out, l_out, acc_out, bh, split, N_SPLITS, m_i, l_i, acc, M_PAD, D)
 
 
-def sparse_attention_triton(query, keys, values, indices, index_valid, key_positions, query_positions, scaling,
-                            sliding_window=None, softcap=None, block_t: int = 64, target_programs: int = 512):
-    from .online_softmax import finish
-
-    return finish(sparse_attention_state_triton(query, keys, values, indices, index_valid, key_positions,
-                                                query_positions, scaling, sliding_window, softcap, block_t,
-                                                target_programs), query)
-
-
-def sparse_attention_state_triton(query, keys, values, indices, index_valid, key_positions, query_positions,
-                                  scaling, sliding_window=None, softcap=None, block_t: int = 64,
+def sparse_attention_state_triton(queries, keys, values, positions, selection, block_t: int = 64,
                                   target_programs: int = 512):
-    """Online-softmax state, as `sparse_attention_state_reference`. keys/values are [B, Hkv, T, D], or one
-    flat store [N, D] shared by every (row, head) with key_positions [N] (ragged storage: indices are then
-    absolute slot numbers into the store)."""
+    """Online-softmax state over the selected slots, as `sparse_attention_state_reference`. keys/values are
+    [B, Hkv, T, D], or one flat store [N, D] shared by every (row, head) with positions [N] (flat storage
+    segments: indices are then absolute slot numbers into the store)."""
     from .online_softmax import merge_splits
 
-    if softcap is not None:
+    if queries.softcap is not None:
         raise ValueError("softcap is not supported by the Triton sparse kernel; use the reference")
     assert available()
+    query = queries.values
     batch, hq, rows, dim = query.shape
+    indices = selection.indices
     hkv = indices.shape[1]
     flat = keys.dim() == 2
     kv_stride, pos_stride = (0, 0) if flat else (keys.shape[2] * dim, keys.shape[2])
@@ -84,13 +76,13 @@ def sparse_attention_state_triton(query, keys, values, indices, index_valid, key
     splits, split_len = plan_splits(n_idx, batch * hkv, block_t, target_programs)
     m_part, l_part, acc_part = partial_buffers(batch * hkv, splits, m_pad, dim, query.device)
     idx = indices.to(torch.int32).contiguous()
-    ok = idx if index_valid is None else index_valid.to(torch.int8).contiguous()
+    ok = idx if selection.valid is None else selection.valid.to(torch.int8).contiguous()
     _sparse_attn_kernel[(batch * hkv, splits)](
         query.reshape(batch * hkv, m_rows, dim).contiguous(), keys.contiguous(), values.contiguous(), idx, ok,
-        key_positions.to(torch.int32).contiguous(), query_positions.to(torch.int32).contiguous(),
-        m_part, l_part, acc_part, kv_stride, pos_stride, n_idx, split_len, splits, float(scaling),
-        int(sliding_window or 0),
-        M=m_rows, M_PAD=m_pad, R=rows, D=dim, BLOCK_T=block_t, HAS_OK=index_valid is not None,
-        HAS_WINDOW=sliding_window is not None,
+        positions.to(torch.int32).contiguous(), queries.positions.to(torch.int32).contiguous(),
+        m_part, l_part, acc_part, kv_stride, pos_stride, n_idx, split_len, splits, float(queries.scaling),
+        int(queries.sliding_window or 0),
+        M=m_rows, M_PAD=m_pad, R=rows, D=dim, BLOCK_T=block_t, HAS_OK=selection.valid is not None,
+        HAS_WINDOW=queries.sliding_window is not None,
     )
     return merge_splits(m_part, l_part, acc_part, (batch, hkv, g, rows), dim)

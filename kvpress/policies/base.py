@@ -6,7 +6,7 @@ A policy is a dataclass of hyper-parameters with optional hooks (no-ops by defau
   on_extend(ctx)   after a multi-token forward on a non-empty layer (a later turn, a verification):
                    never evicts (design invariant 4), may update per-slot state
   key_view(ctx)    the keys attention reads (default: the stored keys)
-Policies hold no per-call state: whatever must persist lives in the cache layer (`slot_state`, `row_budget`).
+Policies hold no per-call state: whatever must persist lives in the cache layer (per-slot state, `row_budget`).
 
 `ScorerPolicy` subclasses implement only `score(ctx) -> [B, Hkv, T]` (higher = keep), optionally
 `protected(ctx, n_keep)`; the shared code turns scores into kept indices under the budget.
@@ -86,11 +86,10 @@ class Context:
         """Attention received by each slot, summed over all query rows of this forward: [B, Hq, T] (fp32).
         Computed in query chunks, so a long prompt never materialises its full attention matrix."""
         layer = self.layer
-        # bf16/fp16 keys go to fp32 once here, not once per query block (a prompt has hundreds of blocks)
-        residual = None if layer.keys.dtype == torch.float32 or layer.ragged is not None else layer.keys.float()
+        fp32_keys = {}  # bf16/fp16 keys go to fp32 once here, not once per query block (a prompt has hundreds)
 
         def key_logits(query, upto):
-            return layer.key_logits(query, self.scaling, self.softcap, upto, residual_fp32=residual)
+            return layer.key_logits(query, self.scaling, self.softcap, upto, fp32_keys=fp32_keys)
 
         return attention_column_sums(key_logits, self.query, self.query_positions(),
                                      layer.key_positions(), layer.key_valid_or_none(), self.sliding_window)
@@ -139,6 +138,23 @@ def select_kept(
     return indices, keep_valid
 
 
+def evict_to_budget(layer, scores: torch.Tensor, budget: torch.Tensor, kept_first=None,
+                    allocation: str = "uniform", head_floor: float = 0.0) -> None:
+    """Keep the best `budget` [B] slots per row and KV head of `layer` by `scores` [B, Hkv, T]: real slots only,
+    `kept_first(n_keep)` ([B, Hkv, T] or None) before any other; 'adaptive' allocation spreads each row's total
+    over its heads (allocation.py). The one place where scores become a keep()."""
+    valid = layer.key_valid()
+    n_valid = valid.sum(-1)  # [B, Hkv]
+    n_keep = torch.minimum(budget[:, None].to(n_valid), n_valid)
+    if bool((n_keep == n_valid).all()) and layer.stored == int(n_keep.max()):
+        return  # within budget and already rectangular: nothing to free
+    protected = None if kept_first is None else kept_first(n_keep)
+    if allocation == "adaptive":
+        n_keep, scores = adaptive_head_budgets(scores, valid, n_keep, protected, head_floor)
+        protected = None  # folded into the priorities
+    layer.keep(*select_kept(scores, valid, n_keep, protected))
+
+
 # ---------------------------------------------------------------------------- policies
 @dataclass
 class Policy:
@@ -148,6 +164,7 @@ class Policy:
     needs_budget: ClassVar[bool] = False
     is_codec: ClassVar[bool] = False  # a storage codec (KIVI, GEAR) rather than an eviction policy
     selects: ClassVar[bool] = False  # a read policy: select(ctx) picks the slots decode steps read
+    read_precision: ClassVar[int | None] = None  # a view that reads low-bit codes with fewer bits (quant4 draft)
 
     def validate(self) -> None:
         """Raise ValueError naming the parameter and its allowed values; called before any patching."""
@@ -166,6 +183,11 @@ class Policy:
 
     def on_extend(self, ctx: Context) -> None:
         pass
+
+    @property
+    def rewrites_keys(self) -> bool:
+        """Whether key_view returns other keys than the stored ones (attention then reads those)."""
+        return False
 
     def key_view(self, ctx: Context) -> torch.Tensor:
         return ctx.keys
@@ -279,20 +301,14 @@ class ScorerPolicy(BudgetPolicy):
                  keep: torch.Tensor | None = None) -> None:
         """Keep the best `budget` [B] slots per row and KV head (default: the layer's row budget); `keep`
         [B, Hkv, T] marks slots kept before any other (with the policy's own protected slots)."""
+
+        def kept_first(n_keep):
+            protected = self.protected(ctx, n_keep)
+            return keep if protected is None else protected if keep is None else protected | keep
+
         layer = ctx.layer
-        valid = layer.key_valid()
-        n_valid = valid.sum(-1)  # [B, Hkv]
-        budget = layer.row_budget if budget is None else budget
-        n_keep = torch.minimum(budget[:, None].to(n_valid), n_valid)
-        if bool((n_keep == n_valid).all()) and layer.stored == int(n_keep.max()):
-            return  # within budget and already rectangular: nothing to free
-        protected = self.protected(ctx, n_keep)
-        if keep is not None:
-            protected = keep if protected is None else protected | keep
-        if self.budget_allocation == "adaptive":
-            n_keep, scores = adaptive_head_budgets(scores, valid, n_keep, protected, self.head_floor)
-            protected = None  # folded into the priorities
-        layer.keep(*select_kept(scores, valid, n_keep, protected))
+        evict_to_budget(layer, scores, layer.row_budget if budget is None else budget, kept_first,
+                        self.budget_allocation, self.head_floor)
 
     def compress_generated(self, ctx: Context) -> None:
         """Hold generated tokens (position >= the prompt's end) to decode_budget; prompt slots stay."""

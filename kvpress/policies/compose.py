@@ -48,6 +48,10 @@ class Composed(Policy):
         self.evictor.on_extend(ctx)
         self.codec.on_extend(ctx)
 
+    @property
+    def rewrites_keys(self) -> bool:
+        return self.evictor.rewrites_keys
+
     def key_view(self, ctx: Context):
         return self.evictor.key_view(ctx)
 

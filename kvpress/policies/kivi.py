@@ -44,9 +44,7 @@ class KIVI(Policy):
         return encode_kivi(keys, values, valid, self.bits, self.group_size)
 
     def flush(self, ctx: Context) -> None:
-        layer = ctx.layer
-        excess = layer.stored - layer.quantized_len - self.residual_length
-        layer.quantize_oldest((excess // self.group_size) * self.group_size, self.encode)
+        ctx.layer.flush_low_bit(self.residual_length, self.group_size, self.encode)
 
     def on_prefill(self, ctx: Context) -> None:
         self.flush(ctx)

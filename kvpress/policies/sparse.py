@@ -35,7 +35,7 @@ class PageStats:
         total = layer.stored
         n_pages = (total + P - 1) // P
         start = self.complete * P
-        keys = layer.keys[:, :, start:].float()
+        keys = layer.keys_view()[:, :, start:].float()
         valid = layer.key_valid()[..., start:]
         pad = (n_pages - self.complete) * P - keys.shape[2]
         keys = torch.nn.functional.pad(keys, (0, 0, 0, pad))
@@ -192,4 +192,4 @@ class Quant4View(Policy):
     Only meaningful as a draft view (speculative_generate(draft="quant4")), so it is not registered."""
 
     name = "quant4_view"
-    read_precision: ClassVar[int] = 4
+    read_precision: ClassVar[int | None] = 4

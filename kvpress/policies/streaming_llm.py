@@ -47,6 +47,10 @@ class StreamingLLM(ScorerPolicy):
     def protected(self, ctx: Context, n_keep: torch.Tensor):
         return first_valid(ctx.layer.key_valid(), torch.clamp(n_keep - 1, max=self.n_sink).clamp(min=0))
 
+    @property
+    def rewrites_keys(self) -> bool:
+        return self.cache_local_positions
+
     def key_view(self, ctx: Context) -> torch.Tensor:
         if not self.cache_local_positions or not ctx.layer.is_compacted:
             return ctx.keys
