@@ -59,7 +59,7 @@ def speed_table(contexts, bits, hbm_tbps):
         q = torch.randn(1, HQ, 1, D, device=dev, dtype=dtype)
         layer = KVPressLayer()
         layer.update(k, v)
-        KIVI(bits=bits, group_size=G, residual_length=R).flush(SimpleNamespace(layer=layer))
+        KIVI(bits=bits, group_size=G, residual_length=R).store(layer)
         queries = Queries(q, torch.tensor([n - 1], device=dev), D ** -0.5)
         reps = 20 if cuda else 3
         dense = timed(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), reps)
@@ -87,6 +87,7 @@ def memory_table(n=8192, heads=HKV, dim=D):
         ctx = Context(module=SimpleNamespace(layer_idx=0), layer=layer, phase="prefill", query=q[:, :, -64:],
                       scaling=dim ** -0.5)
         for p in policies:
+            p.observe(ctx)
             p.on_prefill(ctx)
         got = layer.kv_nbytes()
         ratio = f"{got / theory:>14.3f}" if theory else f"{'':>14}"

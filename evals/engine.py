@@ -20,6 +20,8 @@ from __future__ import annotations
 import ast
 import contextlib
 import dataclasses
+import functools
+import operator
 import time
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -29,7 +31,7 @@ import torch
 import kvpress
 from kvpress import KVPressCache, KVPressLayer
 from kvpress.policies import Policy, resolve_policy
-from kvpress.policies.base import ScorerPolicy, evict_to_budget
+from kvpress.policies.base import Needs, ScorerPolicy, evict_to_budget
 from kvpress.policies.registry import get_policy_class
 
 
@@ -88,19 +90,24 @@ class FanOut(Policy):
             groups.setdefault(_params_key(p), []).append(c)
         self.groups = list(groups.values())
 
-    def check_model(self, head_dim: int) -> None:
-        for policy in self.policies.values():
-            policy.check_model(head_dim)
+    def needs(self) -> Needs:
+        return functools.reduce(operator.or_, (p.needs() for p in self.policies.values()), Needs())
+
+    def for_model(self, model) -> "FanOut":
+        # configures its policies in place: this object also collects the per-config layers prefill() reads
+        self.policies = {c: p.for_model(model) for c, p in self.policies.items()}
+        return self
 
     def on_prefill(self, ctx) -> None:
         for group in self.groups:
             first = self.policies[group[0]]
             start = time.perf_counter()
-            # ScorerPolicy.on_prefill is row_budget + compress(score): score once, cut per ratio.
+            # ScorerPolicy.on_prefill is row_budget + compress(score): observe and score once, cut per ratio.
             shared = isinstance(first, ScorerPolicy) and type(first).on_prefill is ScorerPolicy.on_prefill
             if shared:
                 base = ctx.layer.fork()
-                scores = first.score(dataclasses.replace(ctx, layer=base))  # may add slot state (H2O)
+                first.observe(dataclasses.replace(ctx, layer=base))  # may add state (H2O's attention sums)
+                scores = first.score(dataclasses.replace(ctx, layer=base))
             shared_s = time.perf_counter() - start
             for c in group:
                 start = time.perf_counter()
@@ -112,7 +119,9 @@ class FanOut(Policy):
                     policy.compress(own, scores)
                 else:
                     layer = ctx.layer.fork()
-                    policy.on_prefill(dataclasses.replace(ctx, layer=layer))
+                    own = dataclasses.replace(ctx, layer=layer)
+                    policy.observe(own)
+                    policy.on_prefill(own)
                 self.layers[c][ctx.layer_idx] = layer
                 own_s = time.perf_counter() - start
                 self.score_s[c] += shared_s + own_s
@@ -188,18 +197,16 @@ def _params_key(policy: Policy):
 
 
 def _passive(policy: Policy) -> bool:
-    """Acts at prefill only (none, SnapKV, Knorm, Random): its decode and extend hooks do nothing, it picks no
-    read subset (read policies) and stores nothing low-bit (codecs)."""
-    return (not getattr(policy, "evicts_during_decode", False) and not getattr(policy, "selects", False)
-            and not getattr(policy, "is_codec", False) and type(policy).on_extend is Policy.on_extend
-            and type(policy).key_view is Policy.key_view
-            and type(policy).on_decode in (Policy.on_decode, ScorerPolicy.on_decode))
+    """Acts at prefill only (none, SnapKV, Knorm, Random): it evicts nothing while decoding, picks no read subset
+    (read policies), stores nothing low-bit (codecs), rewrites no keys and keeps no decode budget."""
+    return all(not p.evicts_during_decode and not p.selects and not p.is_codec and not p.rewrites_keys
+               and (not isinstance(p, ScorerPolicy) or p.decode_budget is None) for p in policy.parts())
 
 
 def _rowwise(policy: Policy) -> bool:
     """Evicts while decoding through ScorerPolicy's own path (H2O, TOVA, StreamingLLM): Rows can run it."""
-    return (isinstance(policy, ScorerPolicy) and policy.evicts_during_decode
-            and type(policy).on_decode is ScorerPolicy.on_decode and not getattr(policy, "cache_local_positions", False))
+    return (isinstance(policy, ScorerPolicy) and policy.evicts_during_decode and policy.decode_budget is None
+            and not policy.rewrites_keys)
 
 
 @dataclass
@@ -218,9 +225,15 @@ class Rows(Policy):
             self.groups.setdefault(_params_key(policy), (policy, []))[1].append(row)
         assert len({key[0] for key in self.groups}) == len(self.groups), "one parameter set per policy class"
 
-    def check_model(self, head_dim: int) -> None:
+    def needs(self) -> Needs:
+        return functools.reduce(operator.or_, (p.needs() for p, _ in self.groups.values()), Needs())
+
+    def for_model(self, model) -> "Rows":
+        return Rows([p.for_model(model) for p in self.policies])
+
+    def observe(self, ctx) -> None:
         for policy, _ in self.groups.values():
-            policy.check_model(head_dim)
+            policy.observe(ctx)
 
     def on_extend(self, ctx) -> None:
         for policy, _ in self.groups.values():

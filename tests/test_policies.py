@@ -22,6 +22,7 @@ def prefill(policy, q, k, valid=None, layer_idx=0):
     layer.update(k, torch.randn_like(k), new_valid=valid)
     ctx = Context(module=SimpleNamespace(layer_idx=layer_idx), layer=layer, phase="prefill", query=q,
                   scaling=q.shape[-1] ** -0.5)
+    policy.observe(ctx)
     policy.on_prefill(ctx)
     return layer
 
@@ -192,6 +193,7 @@ def test_padded_row_compresses_its_own_tokens(name):
     ctx = Context(module=SimpleNamespace(layer_idx=0), layer=alone_layer, phase="prefill", query=q[:, :, P:],
                   scaling=D ** -0.5)
     n_keep = torch.full((1, HKV), (L - P) - (L - P) // 2)
+    policy.observe(ctx)
     alone_scores, forced = policy.score(ctx)[0], policy.protected(ctx, n_keep)
     batched = prefill(policy, torch.cat([q, q2]), torch.cat([k, k2]), valid)
     row = kept_sets(batched)[1]

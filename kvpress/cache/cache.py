@@ -46,6 +46,12 @@ class KVPressCache(Cache):
         # [B], the prompt's padded length). Every chunk is then a prefill step and budgets follow the whole
         # prompt; None otherwise.
         self.chunked_prompt: tuple[torch.Tensor, int] | None = None
+        # While a model-level hook probes the cache (Patch.probe): called with each kvpress layer's Context after
+        # attention, instead of the policy's hooks; None otherwise.
+        self.probe = None
+        self.prefilling = False  # the forward in flight is a prompt forward (set by the patch's model hooks)
+        self.prefill_nbytes: int | None = None  # bytes held right after the prompt (recorded by the patch)
+        self.prefill_kv_nbytes: int | None = None
 
     def set_attention_mask(self, attention_mask: torch.Tensor | None) -> None:
         """Record the 2-D padding mask [B, seen + q_len] of the forward about to run (set by the patch's
@@ -76,6 +82,8 @@ class KVPressCache(Cache):
         out._token_mask = None
         out.read_view = None
         out.chunked_prompt = None
+        out.probe = None
+        out.prefilling = False
         return out
 
     @classmethod

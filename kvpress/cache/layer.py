@@ -571,6 +571,6 @@ def _rank_select(mask: torch.Tensor):
     """(indices, ok) of the True entries of mask [B, H, W], per head, in order, padded to the widest head."""
     count = mask.sum(-1)
     width = int(count.max()) if count.numel() else 0
-    order = (~mask).long().argsort(-1, stable=True)[..., :width]
+    order = (~mask).long().argsort(dim=-1, stable=True)[..., :width]
     ok = torch.arange(width, device=mask.device) < count[..., None]
     return order, ok

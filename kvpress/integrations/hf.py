@@ -23,6 +23,8 @@ from ..cache.layer import Read
 from ..kernels.online_softmax import Queries
 from ..kernels.sparse_attention import Selection
 from ..policies import Context, Policy, resolve_policy
+from ..policies.base import ModelInfo, ModelPass
+from ..positions import Rotary
 
 SUPPORTED_BASES = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")
 _PREFIX = "kvpress_"
@@ -34,13 +36,14 @@ _LAST_STATS: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKe
 
 @dataclass
 class _Binding:
-    """Per attention module: its patch, its rotary frequencies, its (rank, count) among the layers whose budget
-    kvpress spreads, and the cache of the forward in flight."""
+    """Per attention module: its patch, its RoPE (for policies that need it), its (rank, count) among the layers
+    whose budget kvpress spreads, and what the forward in flight handed it (cache, input hidden states)."""
 
     patch: "Patch"
-    inv_freq: torch.Tensor | None = None
+    rotary: Rotary | None = None
     budget_layer: tuple[int, int] | None = None
     cache: object = None
+    hidden_states: torch.Tensor | None = None
 
 
 # ---------------------------------------------------------------------------- the attention function
@@ -55,9 +58,12 @@ def kvpress_attention(module, query, key, value, attention_mask, **kwargs):
         return patch.base_attention(module, query, key, value, attention_mask, **kwargs)
 
     past = layer.seen - layer.last_q_len
-    # Every chunk of a chunked prefill is a prefill step: the policy compresses after each one.
+    # Every chunk of a chunked prefill is a prefill step: the policy compresses after each one. A probe (extra
+    # tokens a model-level hook runs over the cache) reads everything and changes nothing.
     prompt_tokens, prompt_length = cache.chunked_prompt or (None, None)
-    if past == 0 or prompt_tokens is not None:
+    if cache.probe is not None:
+        phase = "probe"
+    elif past == 0 or prompt_tokens is not None:
         phase = "prefill"
     else:
         phase = "decode" if layer.last_q_len == 1 else "extend"
@@ -65,18 +71,19 @@ def kvpress_attention(module, query, key, value, attention_mask, **kwargs):
         module=module, layer=layer, phase=phase, query=query,
         scaling=kwargs.get("scaling", getattr(module, "scaling", query.shape[-1] ** -0.5)),
         softcap=kwargs.get("softcap"), sliding_window=kwargs.get("sliding_window"),
-        rotary_inv_freq=binding.inv_freq, prompt_tokens=prompt_tokens, prompt_length=prompt_length,
-        budget_layer=binding.budget_layer,
+        prompt_tokens=prompt_tokens, prompt_length=prompt_length, budget_layer=binding.budget_layer,
+        rope_positions=kwargs.get("position_ids"), rotary=binding.rotary, hidden_states=binding.hidden_states,
     )
+    policy = patch.policy
     # A read view: the cache's draft view during self-speculation, else a read policy after prefill.
     view = cache.read_view
-    if view is None and patch.policy.selects and phase != "prefill":
-        view = patch.policy
+    if view is None and policy.selects and phase not in ("prefill", "probe"):
+        view = policy
     read = Read(
         Queries(query, ctx.query_positions(), ctx.scaling, ctx.softcap, ctx.sliding_window),
-        keys=patch.policy.key_view(ctx) if patch.policy.rewrites_keys else None,
+        keys=policy.key_view(ctx) if policy.rewrites_keys else None,
         select=(lambda: Selection(*_selection(view, ctx))) if view is not None and view.selects else None,
-        precision=getattr(view, "read_precision", None),
+        precision=None if view is None else view.read_precision,
     )
 
     def base(q, keys, values, mask):
@@ -86,12 +93,16 @@ def kvpress_attention(module, query, key, value, attention_mask, **kwargs):
 
     out = (layer.attend(read, base), None)
     # Attention above used the full, uncompressed view (prefill is exact); now the policy may evict.
+    if phase == "probe":
+        cache.probe(ctx)
+        return out
+    policy.observe(ctx)
     if phase == "prefill":
-        patch.policy.on_prefill(ctx)
+        policy.on_prefill(ctx)
     elif phase == "decode":
-        patch.policy.on_decode(ctx)
+        policy.on_decode(ctx)
     else:
-        patch.policy.on_extend(ctx)
+        policy.on_extend(ctx)
     return out
 
 
@@ -104,12 +115,13 @@ def _selection(view, ctx: Context):
 class Patch:
     """A patched model. Use as a context manager, or call `unpatch()`."""
 
-    def __init__(self, model, policy: Policy, base: str, attention_modules, inv_freqs,
+    def __init__(self, model, policy: Policy, base: str, attention_modules, rotaries,
                  prefill_chunk_size: int | None = None):
         self.model = model
         self.policy = policy
         self.base = base
         self.prefill_chunk_size = prefill_chunk_size
+        self._needs = policy.needs()
         text_config = model.config.get_text_config(decoder=True)
         # layers whose cache kvpress compresses (hybrid models' sliding-window layers keep their own cache):
         # layer-wise budgets (PyramidKV) are spread over these
@@ -131,17 +143,75 @@ class Patch:
             model.set_attn_implementation(base)
             raise ValueError(f"{type(model).__name__} refused attn_implementation={name!r}; it cannot be patched")
 
-        for module, inv_freq in zip(attention_modules, inv_freqs):
+        for module, rotary in zip(attention_modules, rotaries):
             rank = budget_layers.index(module.layer_idx) if module.layer_idx in budget_layers else None
-            _BINDINGS[module] = _Binding(self, inv_freq, None if rank is None else (rank, len(budget_layers)))
-            self._handles.append(module.register_forward_pre_hook(_bind_cache, with_kwargs=True))
-        self._handles.append(model.register_forward_pre_hook(_before_model_forward, with_kwargs=True))
-        self._handles.append(model.register_forward_hook(_after_model_forward, with_kwargs=True))
+            _BINDINGS[module] = _Binding(self, rotary, None if rank is None else (rank, len(budget_layers)))
+            self._handles.append(module.register_forward_pre_hook(self._bind, with_kwargs=True))
+        self._handles.append(model.register_forward_pre_hook(self._before_forward, with_kwargs=True))
+        self._handles.append(model.register_forward_hook(self._after_forward, with_kwargs=True))
         self._attention_modules = list(attention_modules)
         model.generate = self._wrap_generate(model.generate)
         if prefill_chunk_size is not None:
             model.forward = self._wrap_forward(model.forward)
         _PATCHES[model] = self
+
+    # -- hooks: what each forward hands kvpress
+    def _bind(self, module, args, kwargs):
+        binding = _BINDINGS.get(module)
+        if binding is not None:
+            binding.cache = kwargs.get("past_key_values")
+            if self._needs.hidden_states:
+                binding.hidden_states = args[0] if args else kwargs.get("hidden_states")
+
+    def _before_forward(self, model, args, kwargs):
+        cache = kwargs.get("past_key_values")
+        if isinstance(cache, KVPressCache):
+            cache.set_attention_mask(kwargs.get("attention_mask"))
+            cache.prefilling = cache.probe is None and (cache.get_seq_length() == 0 or cache.chunked_prompt is not None)
+
+    def _after_forward(self, model, args, kwargs, output):
+        cache = kwargs.get("past_key_values")
+        if not isinstance(cache, KVPressCache) or not cache.prefilling:
+            return
+        cache.prefilling = False
+        if self._needs.model_pass:
+            self.policy.after_prefill(self.model_pass(cache, kwargs))
+        cache.prefill_nbytes = cache.nbytes()
+        cache.prefill_kv_nbytes = sum(row["kv_bytes"] for row in cache.stats())
+
+    # -- the model-level hook
+    def model_pass(self, cache: KVPressCache, kwargs) -> ModelPass:
+        """What after_prefill sees after a prompt forward with these kwargs."""
+        ids = kwargs.get("input_ids")
+        mask = kwargs.get("attention_mask")
+        mask = mask if mask is not None and mask.dim() == 2 else None
+        positions = kwargs.get("position_ids")
+        seen = cache.get_seq_length()
+        batch = (ids if ids is not None else kwargs["inputs_embeds"]).shape[0]
+        device = (ids if ids is not None else kwargs["inputs_embeds"]).device
+        if positions is not None:
+            next_positions = positions[..., -1].reshape(-1).expand(batch).long() + 1
+        else:  # transformers' default: the forward's tokens sit at seen - n .. seen - 1
+            next_positions = torch.full((batch,), seen, dtype=torch.long, device=device)
+        prompt_tokens, prompt_length = cache.chunked_prompt or (None, None)
+        return ModelPass(self.model, cache, ids, mask, next_positions, prompt_tokens, prompt_length,
+                         functools.partial(self.probe, cache))
+
+    def probe(self, cache: KVPressCache, input_ids, attention_mask, position_ids, on_layer) -> None:
+        """Run `input_ids` [B, n] over the cache (attending to everything it holds), calling `on_layer(ctx)` in every
+        kvpress layer after attention; then put every layer back exactly as it was (nothing the probe appended
+        stays; seen and positions are untouched)."""
+        saved = cache.fork()
+        mask = cache._token_mask
+        cache.probe = on_layer
+        try:
+            with torch.no_grad():
+                self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                           past_key_values=cache, use_cache=True, logits_to_keep=1)
+        finally:
+            cache.probe = None
+            cache.layers = saved.layers
+            cache._token_mask = mask
 
     # -- attention helpers
     def base_attention(self, module, query, key, value, attention_mask, **kwargs):
@@ -260,27 +330,6 @@ def _chunked_prefill(forward, cache, chunk, batch, length, mask, logits_to_keep,
     return out
 
 
-def _bind_cache(module, args, kwargs):
-    binding = _BINDINGS.get(module)
-    if binding is not None:
-        binding.cache = kwargs.get("past_key_values")
-
-
-def _before_model_forward(model, args, kwargs):
-    cache = kwargs.get("past_key_values")
-    if isinstance(cache, KVPressCache):
-        cache.set_attention_mask(kwargs.get("attention_mask"))
-        cache.in_prefill = cache.get_seq_length() == 0
-
-
-def _after_model_forward(model, args, kwargs, output):
-    cache = kwargs.get("past_key_values")
-    if isinstance(cache, KVPressCache) and getattr(cache, "in_prefill", False):
-        cache.prefill_nbytes = cache.nbytes()
-        cache.prefill_kv_nbytes = sum(row["kv_bytes"] for row in cache.stats())
-        cache.in_prefill = False
-
-
 def _eager_function(attention_module):
     """The model's own eager attention (transformers keeps it in the modeling file, not in the registry)."""
     import sys
@@ -298,24 +347,6 @@ def _eager_function(attention_module):
 def attention_modules_of(model) -> list[torch.nn.Module]:
     """Attention modules that follow transformers' attention-interface pattern."""
     return [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "num_key_value_groups")]
-
-
-def _rotary_inv_freq(model, module) -> torch.Tensor:
-    rotaries = [m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")]
-    if len(rotaries) == 1:
-        rotary = rotaries[0]
-        layer_type = getattr(module, "layer_type", None)
-        for attr in ("inv_freq", f"{layer_type}_inv_freq"):
-            inv_freq = getattr(rotary, attr, None)
-            if isinstance(inv_freq, torch.Tensor):
-                scaling = getattr(rotary, "attention_scaling", None)
-                scaling = getattr(rotary, f"{layer_type}_attention_scaling", scaling)
-                if scaling in (None, 1.0):
-                    return inv_freq
-    raise ValueError(
-        "cache_local_positions=True re-rotates keys and needs one standard rotary embedding (no attention "
-        "scaling) in the model; allowed values for this model: cache_local_positions=False"
-    )
 
 
 def patch_model(model, policy: str | Policy | None = "none", prefill_chunk_size: int | None = None,
@@ -344,10 +375,10 @@ def patch_model(model, policy: str | Policy | None = "none", prefill_chunk_size:
         raise ValueError("model is already patched by kvpress; call .unpatch() on the existing patch first")
     if base not in SUPPORTED_BASES:
         raise ValueError(f"attn_implementation={base!r} cannot be wrapped; allowed values: {list(SUPPORTED_BASES)}")
-    policy.check_model(modules[0].head_dim)
-    needs_rotary = getattr(policy, "cache_local_positions", False)
-    inv_freqs = [_rotary_inv_freq(model, m) if needs_rotary else None for m in modules]
-    return Patch(model, policy, base, modules, inv_freqs, prefill_chunk_size)
+    info = ModelInfo(model, modules, modules[0].head_dim)
+    policy = policy.for_model(info)
+    rotaries = [info.rotary(m) if policy.needs().rotary else None for m in modules]
+    return Patch(model, policy, base, modules, rotaries, prefill_chunk_size)
 
 
 def _check_chunk_size(chunk, policy: Policy) -> None:
@@ -355,13 +386,7 @@ def _check_chunk_size(chunk, policy: Policy) -> None:
         return
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"prefill_chunk_size={chunk!r}; allowed values: None or an int >= 1")
-    parts = [policy] + [getattr(policy, name) for name in ("evictor", "codec") if hasattr(policy, name)]
-    for part in parts:
-        window = getattr(part, "window_size", None)
-        if window is not None and chunk < window:
-            raise ValueError(
-                f"prefill_chunk_size={chunk} is smaller than {part.name}'s window_size={window}: each chunk's "
-                f"last window_size queries vote; allowed values: prefill_chunk_size >= {window}")
+    policy.check_chunking(chunk)
 
 
 def unpatch(model) -> None:
@@ -377,8 +402,8 @@ def cache_summary(cache: KVPressCache, policy: Policy | None = None) -> dict:
         seen=max((row["seen"] for row in layers), default=0),
         kv_bytes=sum(row["kv_bytes"] for row in layers),
         bytes=cache.nbytes(),
-        prefill_kv_bytes=getattr(cache, "prefill_kv_nbytes", None),
-        prefill_bytes=getattr(cache, "prefill_nbytes", None),
+        prefill_kv_bytes=cache.prefill_kv_nbytes,
+        prefill_bytes=cache.prefill_nbytes,
         layers=layers,
     )
 

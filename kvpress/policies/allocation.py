@@ -14,12 +14,13 @@ import math
 
 import torch
 
-ALLOCATIONS = ("uniform", "pyramid", "adaptive")
+ALLOCATIONS = ("uniform", "pyramid", "adaptive", "global")
 
 
-def validate_allocation(owner: str, allocation, floor, beta) -> None:
-    if allocation not in ALLOCATIONS:
-        raise ValueError(f"{owner}: budget_allocation={allocation!r} is unknown; allowed values: {list(ALLOCATIONS)}")
+def validate_allocation(owner: str, allocation, floor, beta, allowed=ALLOCATIONS) -> None:
+    if allocation not in allowed:
+        raise ValueError(f"{owner}: budget_allocation={allocation!r} is not one of this policy's allocations; "
+                         f"allowed values: {list(allowed)}")
     if not isinstance(floor, (int, float)) or not 0.0 <= float(floor) <= 1.0:
         raise ValueError(
             f"{owner}: head_floor={floor!r} is a fraction of the mean per-head budget; a floor above the mean "

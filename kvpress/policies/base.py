@@ -1,15 +1,25 @@
-"""Policy base classes, the context a policy sees, and the one place where scores become kept slots.
+"""Policy base classes, what a policy sees, and the one place where scores become kept slots.
 
-A policy is a dataclass of hyper-parameters with optional hooks (no-ops by default):
-  on_prefill(ctx)  after the first forward of a layer (the prompt): may compact the layer
-  on_decode(ctx)   after a one-token forward: may compact the layer
-  on_extend(ctx)   after a multi-token forward on a non-empty layer (a later turn, a verification):
-                   never evicts (design invariant 4), may update per-slot state
-  key_view(ctx)    the keys attention reads (default: the stored keys)
-Policies hold no per-call state: whatever must persist lives in the cache layer (per-slot state, `row_budget`).
+A policy is a dataclass of hyper-parameters with hooks (no-ops by default), called by the one attention
+integration in this order for every attention layer and forward:
+  observe(ctx)        after attention, in every phase: accumulate per-slot or per-layer statistics (H2O's
+                      attention sums, ExpectedAttention's query statistics); the only hook that updates state
+                      without evicting, so scoring twice never counts twice
+  on_prefill(ctx)     after the prompt (or one chunk of it): may compact the layer
+  on_decode(ctx)      after a one-token forward: may compact the layer
+  on_extend(ctx)      after a multi-token forward on a non-empty layer (a later turn, a verification): never
+                      evicts (design invariant 4)
+and once per forward of the whole model:
+  after_prefill(run)  after the prompt (and after each chunk of a chunked prefill) went through every layer:
+                      may run extra forwards over the cache (`run.probe`) and evict in every layer at once
+A policy declares what it needs from the forward (`needs()`: the rotary embedding, the attention input's hidden
+states, the model-level hook); the integration provides exactly that, and compositions and wrappers forward the
+union of their parts' needs. Other declarations: `is_codec`, `selects`, `evicts_during_decode`,
+`rewrites_keys`, `read_precision`. Policies hold no per-call state: whatever must persist lives in the cache
+layer (per-slot state, per-layer statistics, `row_budget`).
 
-`ScorerPolicy` subclasses implement only `score(ctx) -> [B, Hkv, T]` (higher = keep), optionally
-`protected(ctx, n_keep)`; the shared code turns scores into kept indices under the budget.
+`ScorerPolicy` subclasses implement only a pure `score(ctx) -> [B, Hkv, T]` (higher = keep), optionally
+`observe` and `protected(ctx, n_keep)`; the shared code turns scores into kept slots under the budget.
 """
 
 from __future__ import annotations
@@ -17,12 +27,25 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Callable, ClassVar
 
 import torch
 
 from ..kernels import attention_probs, attention_column_sums
 from .allocation import adaptive_head_budgets, pyramid_budgets, validate_allocation
+
+
+# ---------------------------------------------------------------------------- declarations
+@dataclass(frozen=True)
+class Needs:
+    """What a policy needs from the forward besides the post-RoPE query and its cache layer."""
+
+    rotary: bool = False  # the layer's RoPE at any position (Context.rotary): pre-RoPE queries, re-rotation
+    hidden_states: bool = False  # the attention module's input hidden states (Context.hidden_states)
+    model_pass: bool = False  # after_prefill(run), once the prompt (or a chunk of it) went through every layer
+
+    def __or__(self, other: "Needs") -> "Needs":
+        return Needs(*(a or b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
 
 
 # ---------------------------------------------------------------------------- context
@@ -37,13 +60,16 @@ class Context:
     scaling: float
     softcap: float | None = None
     sliding_window: int | None = None
-    rotary_inv_freq: torch.Tensor | None = None  # for policies that re-rotate keys (cache-local positions)
     # (rank of this layer, number of layers) among the layers kvpress compresses, for layer-wise budgets
     budget_layer: tuple[int, int] | None = None
     # While a chunked prefill runs: real tokens of the whole prompt per row [B], and its padded length (budgets
     # follow the prompt, not the chunk); None otherwise
     prompt_tokens: torch.Tensor | None = None
     prompt_length: int | None = None
+    rope_positions: torch.Tensor | None = None  # [B, q_len] RoPE positions of the query rows (None: seen-based)
+    # Provided only to policies that declare the need (Needs):
+    rotary: "Rotary | None" = None  # noqa: F821  kvpress.positions.Rotary of this layer
+    hidden_states: torch.Tensor | None = None  # [B, q_len, hidden] the attention module's input
 
     @property
     def keys(self) -> torch.Tensor:
@@ -65,6 +91,20 @@ class Context:
     @property
     def layer_idx(self) -> int:
         return self.module.layer_idx
+
+    def query_rope_positions(self) -> torch.Tensor:
+        """[B, q_len] RoPE positions of this forward's query rows."""
+        if self.rope_positions is not None:
+            return self.rope_positions.expand(self.query.shape[0], -1)
+        return self.query_positions()[None].expand(self.query.shape[0], -1)
+
+    def pre_rope_query(self) -> torch.Tensor:
+        """fp32 [B, Hq, q_len, D]: this forward's queries before RoPE (needs rotary)."""
+        from ..positions import unrotate
+
+        positions = self.query_rope_positions()
+        cos, sin = self.rotary.cos_sin(positions, self.query.new_empty(0, dtype=torch.float32))
+        return unrotate(self.query, cos, sin)
 
     def query_positions(self, last: int | None = None) -> torch.Tensor:
         """Raw positions of the (last `last`) query rows of this forward."""
@@ -105,6 +145,43 @@ class Context:
         if reduce == "max":
             return grouped.amax(2)
         raise ValueError(f"reduce={reduce!r}; allowed values: 'mean', 'sum', 'max'")
+
+
+@dataclass
+class ModelInfo:
+    """The model a policy is patched into, as policies see it before patching."""
+
+    model: torch.nn.Module
+    modules: list  # the attention modules kvpress serves
+    head_dim: int
+
+    def rotary(self, module) -> "Rotary":  # noqa: F821
+        """The RoPE of one attention module (ValueError if the model has no single rotary embedding)."""
+        from ..positions import Rotary
+
+        return Rotary.of(self.model, module)
+
+
+@dataclass
+class ModelPass:
+    """What the model-level hook (Policy.after_prefill) sees, once the prompt, or one chunk of a chunked prefill,
+    has gone through every layer."""
+
+    model: torch.nn.Module
+    cache: "KVPressCache"  # noqa: F821
+    input_ids: torch.Tensor | None  # [B, n] this forward's tokens (None when the model was fed embeddings)
+    attention_mask: torch.Tensor | None  # [B, seen] 2-D padding mask of everything seen so far (None: no padding)
+    next_positions: torch.Tensor  # [B] the RoPE position the next token of each row gets
+    # While a chunked prefill runs: real tokens of the whole prompt per row [B] and its padded length
+    prompt_tokens: torch.Tensor | None
+    prompt_length: int | None
+    # probe(input_ids, attention_mask, position_ids, on_layer): a forward of extra tokens over the cache that
+    # calls on_layer(ctx) in every kvpress layer after attention and leaves the cache exactly as it was
+    probe: Callable
+
+    def layers(self) -> list:
+        """(layer_idx, KVPressLayer) of every layer kvpress compresses."""
+        return self.cache.kvpress_layers()
 
 
 # ---------------------------------------------------------------------------- selection helpers
@@ -164,16 +241,41 @@ class Policy:
     needs_budget: ClassVar[bool] = False
     is_codec: ClassVar[bool] = False  # a storage codec (KIVI, GEAR) rather than an eviction policy
     selects: ClassVar[bool] = False  # a read policy: select(ctx) picks the slots decode steps read
+    evicts_during_decode: ClassVar[bool] = False  # on_decode may compact the layer
     read_precision: ClassVar[int | None] = None  # a view that reads low-bit codes with fewer bits (quant4 draft)
+
+    def needs(self) -> Needs:
+        """What this policy needs from the forward (see Needs)."""
+        return Needs()
+
+    @property
+    def rewrites_keys(self) -> bool:
+        """Whether key_view returns other keys than the stored ones (attention then reads those)."""
+        return False
+
+    def parts(self) -> list["Policy"]:
+        """The policies this one is made of (a composition's evictor and codec), or itself."""
+        return [self]
 
     def validate(self) -> None:
         """Raise ValueError naming the parameter and its allowed values; called before any patching."""
 
-    def check_model(self, head_dim: int) -> None:
-        """Raise ValueError if the policy cannot serve a model with this head_dim; called before patching."""
+    def check_chunking(self, chunk_size: int) -> None:
+        """Raise ValueError if prefill chunks of `chunk_size` tokens cannot serve this policy."""
+
+    def check_codec(self, codec: "Policy") -> None:
+        """Raise ValueError if this eviction policy cannot hand what it keeps to `codec` (low-bit storage)."""
+
+    def for_model(self, model: "ModelInfo") -> "Policy":
+        """This policy checked against, and configured for, the model about to be patched: raise ValueError if it
+        cannot serve it, resolve model-specific resources. Called before the model is touched. Default: itself."""
+        return self
 
     def __post_init__(self):
         self.validate()
+
+    def observe(self, ctx: Context) -> None:
+        pass
 
     def on_prefill(self, ctx: Context) -> None:
         pass
@@ -184,16 +286,14 @@ class Policy:
     def on_extend(self, ctx: Context) -> None:
         pass
 
-    @property
-    def rewrites_keys(self) -> bool:
-        """Whether key_view returns other keys than the stored ones (attention then reads those)."""
-        return False
+    def after_prefill(self, run: ModelPass) -> None:
+        pass
 
     def key_view(self, ctx: Context) -> torch.Tensor:
         return ctx.keys
 
     def describe(self) -> str:
-        fields = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self))
+        fields = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self) if f.repr)
         return f"{self.name}({fields})"
 
 
@@ -234,7 +334,8 @@ class ScorerPolicy(BudgetPolicy):
     Generic options, for every scorer:
       budget_allocation  'uniform' (same budget everywhere), 'pyramid' (PyramidKV: per layer, `pyramid_beta`),
                          'adaptive' (AdaKV: per head, one top-k over the layer, each head's floor `head_floor`
-                         x the mean per-head budget); see allocation.py
+                         x the mean per-head budget); see allocation.py. Policies that score after the whole
+                         prompt (model_pass) may also offer 'global': one top-k over every layer and head.
       decode_budget      tokens generated after the prompt that may stay (SCOPE-style): the prompt keeps its
                          prefill budget, generated tokens are cut to this budget at every decode step (the newest
                          half always stays, the rest by the policy's score at that step); None: no cap (or,
@@ -245,21 +346,26 @@ class ScorerPolicy(BudgetPolicy):
     head_floor: float = 0.2
     pyramid_beta: float = 20.0
     decode_budget: int | None = None
-    evicts_during_decode: ClassVar[bool] = False
+    allocations: ClassVar[tuple] = ("uniform", "pyramid", "adaptive")
 
     def validate(self) -> None:
         super().validate()
-        validate_allocation(self.name, self.budget_allocation, self.head_floor, self.pyramid_beta)
+        validate_allocation(self.name, self.budget_allocation, self.head_floor, self.pyramid_beta, self.allocations)
         if self.decode_budget is not None and (not isinstance(self.decode_budget, int) or self.decode_budget < 1):
             raise ValueError(f"{self.name}: decode_budget={self.decode_budget!r}; allowed values: None or an int >= 1")
 
     def score(self, ctx: Context) -> torch.Tensor:
-        """[B, Hkv, T] importance of each stored slot (higher = keep)."""
+        """[B, Hkv, T] importance of each stored slot (higher = keep). Pure: state is updated by observe()."""
         raise NotImplementedError
 
     def protected(self, ctx: Context, n_keep: torch.Tensor) -> torch.Tensor | None:
         """[B, Hkv, T] slots kept whatever their score (at most n_keep per row/head)."""
         return None
+
+    @property
+    def kept_window(self) -> int:
+        """Newest slots the policy always keeps (SnapKV's observation window): pyramid budgets ramp the rest."""
+        return 0
 
     def layer_budget(self, ctx: Context) -> torch.Tensor:
         """[B] tokens per KV head this layer may keep, from the prompt's real token count."""
@@ -267,8 +373,7 @@ class ScorerPolicy(BudgetPolicy):
         budget = self.row_budget(n_real.to(ctx.query.device))
         if self.budget_allocation == "pyramid" and ctx.budget_layer is not None:
             rank, n_layers = ctx.budget_layer
-            window = getattr(self, "window_size", 0)
-            budget = pyramid_budgets(budget, n_real, n_layers, window, self.pyramid_beta)[rank]
+            budget = pyramid_budgets(budget, n_real, n_layers, self.kept_window, self.pyramid_beta)[rank]
         return budget
 
     def start_budget(self, ctx: Context) -> None:
@@ -277,18 +382,11 @@ class ScorerPolicy(BudgetPolicy):
         ctx.layer.decode_start = ctx.layer.seen
 
     def on_prefill(self, ctx: Context) -> None:
-        layer = ctx.layer
         self.start_budget(ctx)
         if ctx.prompt_tokens is None:
             self.compress(ctx, self.score(ctx))
             return
-        # Chunked prefill: tokens kept from earlier chunks stay, and this chunk adds its share of the budget,
-        # so after a chunk a row holds budget x (its real tokens seen / its prompt's real tokens). Re-judging
-        # earlier survivors by each later chunk's queries would favour recent tokens chunk after chunk (an early
-        # needle at 8K is lost that way at 75% on SmolLM2, but kept this way).
-        real_seen = (ctx.prompt_tokens - (ctx.prompt_length - layer.seen)).clamp(min=0)
-        share = torch.ceil(layer.row_budget * real_seen / ctx.prompt_tokens.clamp(min=1)).long()
-        earlier = layer.key_valid() & (layer.key_positions() < layer.seen - ctx.q_len)
+        share, earlier = chunk_share(ctx.layer, ctx.prompt_tokens, ctx.prompt_length, ctx.q_len)
         self.compress(ctx, self.score(ctx), budget=share, keep=earlier)
 
     def on_decode(self, ctx: Context) -> None:
@@ -316,13 +414,22 @@ class ScorerPolicy(BudgetPolicy):
         valid = layer.key_valid()
         generated = valid & (layer.key_positions() >= layer.decode_start)
         n_generated = generated.sum(-1)
-        over = bool((n_generated > self.decode_budget).any())
-        if not over and not self.evicts_during_decode:
-            return  # (policies that accumulate state score every step, below)
-        scores = self.score(ctx)
-        if not over:
+        if not bool((n_generated > self.decode_budget).any()):
             return
         budget = torch.minimum(n_generated, torch.full_like(n_generated, self.decode_budget))
         recent = last_valid(generated, budget - budget // 2)
         prompt = valid & ~generated
-        layer.keep(*select_kept(scores, valid, prompt.sum(-1) + budget, prompt | recent))
+        layer.keep(*select_kept(self.score(ctx), valid, prompt.sum(-1) + budget, prompt | recent))
+
+
+def chunk_share(layer, prompt_tokens: torch.Tensor, prompt_length: int, q_len: int):
+    """Chunked prefill: (budget [B] a row may hold after this chunk, [B, Hkv, T] slots kept from earlier chunks).
+
+    Tokens kept from earlier chunks stay, and this chunk adds its share of the budget, so after a chunk a row holds
+    budget x (its real tokens seen / its prompt's real tokens). Re-judging earlier survivors by each later chunk's
+    queries would favour recent tokens chunk after chunk (an early needle at 8K is lost that way at 75% on
+    SmolLM2, but kept this way)."""
+    real_seen = (prompt_tokens - (prompt_length - layer.seen)).clamp(min=0)
+    share = torch.ceil(layer.row_budget * real_seen / prompt_tokens.clamp(min=1)).long()
+    earlier = layer.key_valid() & (layer.key_positions() < layer.seen - q_len)
+    return share, earlier

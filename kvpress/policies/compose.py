@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
-from .base import Context, Policy
+from .base import Context, ModelPass, Needs, Policy
 
 
 @dataclass
 class Composed(Policy):
-    """Runs the eviction policy's hooks, then the codec's (evict first, then store what is kept low-bit)."""
+    """Runs the eviction policy's hooks, then the codec's (evict first, then store what is kept low-bit). An
+    evictor that decides after the whole prompt (model_pass) hands its layers to the codec only then."""
 
     evictor: Policy = None
     codec: Policy = None
@@ -21,24 +23,43 @@ class Composed(Policy):
         if self.evictor.selects:
             raise ValueError(f"{self.evictor.name}: sparse reads over low-bit storage are not supported; "
                              f"allowed: {self.evictor.name} alone, or an eviction policy + {self.codec.name}")
-        if getattr(self.evictor, "budget_allocation", "uniform") == "adaptive":
-            raise ValueError(
-                f"{self.evictor.name}: budget_allocation='adaptive' gives heads different token counts, and the "
-                f"codec {self.codec.name!r} needs rectangular heads; allowed values: budget_allocation='uniform' "
-                f"or 'pyramid'")
-        if getattr(self.evictor, "cache_local_positions", False):
-            raise ValueError(
-                f"{self.evictor.name}: cache_local_positions=True re-rotates full-precision keys and cannot combine "
-                f"with the codec {self.codec.name!r}; allowed values: cache_local_positions=False"
-            )
+        self.evictor.check_codec(self.codec)
 
-    def check_model(self, head_dim: int) -> None:
-        self.evictor.check_model(head_dim)
-        self.codec.check_model(head_dim)
+    def needs(self) -> Needs:
+        return self.evictor.needs() | self.codec.needs()
+
+    def parts(self) -> list[Policy]:
+        return [self.evictor, self.codec]
+
+    @property
+    def evicts_during_decode(self) -> bool:
+        return self.evictor.evicts_during_decode
+
+    @property
+    def rewrites_keys(self) -> bool:
+        return self.evictor.rewrites_keys
+
+    def for_model(self, model) -> "Composed":
+        return dataclasses.replace(self, evictor=self.evictor.for_model(model), codec=self.codec.for_model(model))
+
+    def check_chunking(self, chunk_size: int) -> None:
+        self.evictor.check_chunking(chunk_size)
+        self.codec.check_chunking(chunk_size)
+
+    def observe(self, ctx: Context) -> None:
+        self.evictor.observe(ctx)
+        self.codec.observe(ctx)
 
     def on_prefill(self, ctx: Context) -> None:
         self.evictor.on_prefill(ctx)
-        self.codec.on_prefill(ctx)
+        if not self.evictor.needs().model_pass:
+            self.codec.on_prefill(ctx)
+
+    def after_prefill(self, run: ModelPass) -> None:
+        self.evictor.after_prefill(run)
+        if self.evictor.needs().model_pass:
+            for _, layer in run.layers():
+                self.codec.store(layer)
 
     def on_decode(self, ctx: Context) -> None:
         self.evictor.on_decode(ctx)
@@ -47,10 +68,6 @@ class Composed(Policy):
     def on_extend(self, ctx: Context) -> None:
         self.evictor.on_extend(ctx)
         self.codec.on_extend(ctx)
-
-    @property
-    def rewrites_keys(self) -> bool:
-        return self.evictor.rewrites_keys
 
     def key_view(self, ctx: Context):
         return self.evictor.key_view(ctx)

@@ -1,4 +1,5 @@
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -18,7 +19,7 @@ class H2O(ScorerPolicy):
 
     name = "h2o"
     recent: int | None = None
-    evicts_during_decode = True
+    evicts_during_decode: ClassVar[bool] = True
 
     def validate(self) -> None:
         super().validate()
@@ -29,17 +30,14 @@ class H2O(ScorerPolicy):
                 f"h2o: budget={self.budget} is smaller than recent={self.recent}; allowed values: budget >= recent"
             )
 
-    def score(self, ctx: Context):
+    def observe(self, ctx: Context) -> None:
         # Accumulate this forward's attention into the per-slot state the layer carries between steps.
         received = ctx.to_kv_heads(ctx.attention_column_sums(), "sum")
-        layer = ctx.layer
-        accumulated = layer.get_state(_STATE)
-        accumulated = received if accumulated is None else accumulated + received
-        layer.set_state(_STATE, accumulated)
-        return accumulated
+        accumulated = ctx.layer.get_state(_STATE)
+        ctx.layer.set_state(_STATE, received if accumulated is None else accumulated + received)
 
-    def on_extend(self, ctx: Context) -> None:
-        self.score(ctx)  # keep accumulating; extension forwards never evict
+    def score(self, ctx: Context):
+        return ctx.layer.get_state(_STATE)
 
     def protected(self, ctx: Context, n_keep: torch.Tensor):
         recent = n_keep // 2 if self.recent is None else torch.full_like(n_keep, self.recent)

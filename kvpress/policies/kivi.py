@@ -32,25 +32,28 @@ class KIVI(Policy):
         if not isinstance(self.residual_length, int) or self.residual_length < 0:
             raise ValueError(f"{self.name}: residual_length={self.residual_length!r}; allowed values: an int >= 0")
 
-    def check_model(self, head_dim: int) -> None:
+    def for_model(self, model):
+        head_dim = model.head_dim
         if head_dim % self.group_size or (head_dim * self.bits) % 8:
             divisors = [g for g in (8, 16, 32, 64, 128) if head_dim % g == 0]
             raise ValueError(
                 f"{self.name}: group_size={self.group_size} does not divide the model's head_dim={head_dim} "
                 f"(values are quantized in groups of channels); allowed values: {divisors}"
             )
+        return self
 
     def encode(self, keys, values, valid):
         return encode_kivi(keys, values, valid, self.bits, self.group_size)
 
-    def flush(self, ctx: Context) -> None:
-        ctx.layer.flush_low_bit(self.residual_length, self.group_size, self.encode)
+    def store(self, layer) -> None:
+        """Move what the residual window no longer covers into low-bit codes."""
+        layer.flush_low_bit(self.residual_length, self.group_size, self.encode)
 
     def on_prefill(self, ctx: Context) -> None:
-        self.flush(ctx)
+        self.store(ctx.layer)
 
     def on_decode(self, ctx: Context) -> None:
-        self.flush(ctx)
+        self.store(ctx.layer)
 
     def on_extend(self, ctx: Context) -> None:
-        self.flush(ctx)  # only tokens older than the residual window are ever quantized
+        self.store(ctx.layer)  # only tokens older than the residual window are ever quantized

@@ -35,6 +35,16 @@ class SnapKV(ScorerPolicy):
                 f"allowed values: budget >= window_size"
             )
 
+    @property
+    def kept_window(self) -> int:
+        return self.window_size
+
+    def check_chunking(self, chunk_size: int) -> None:
+        if chunk_size < self.window_size:
+            raise ValueError(
+                f"prefill_chunk_size={chunk_size} is smaller than {self.name}'s window_size={self.window_size}: each "
+                f"chunk's last window_size queries vote; allowed values: prefill_chunk_size >= {self.window_size}")
+
     def _window(self, ctx: Context, n_keep: torch.Tensor | None = None) -> torch.Tensor:
         valid = ctx.layer.key_valid()
         n = torch.full(valid.shape[:2], min(self.window_size, ctx.q_len), device=valid.device)

@@ -1,8 +1,10 @@
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
-from .base import Context, ScorerPolicy, first_valid
+from ..positions import rotate_keys
+from .base import Context, Needs, ScorerPolicy, first_valid
 from .registry import register
 
 
@@ -20,7 +22,7 @@ class StreamingLLM(ScorerPolicy):
     n_sink: int = 4
     window: int | None = None
     cache_local_positions: bool = False
-    evicts_during_decode = True
+    evicts_during_decode: ClassVar[bool] = True
 
     def __post_init__(self):
         if self.window is not None and self.budget is None and self.compression_ratio is None:
@@ -47,6 +49,25 @@ class StreamingLLM(ScorerPolicy):
     def protected(self, ctx: Context, n_keep: torch.Tensor):
         return first_valid(ctx.layer.key_valid(), torch.clamp(n_keep - 1, max=self.n_sink).clamp(min=0))
 
+    def needs(self) -> Needs:
+        return Needs(rotary=self.cache_local_positions)
+
+    def for_model(self, model):
+        if self.cache_local_positions:  # re-rotation needs standard RoPE frequencies: fail before patching
+            for module in model.modules:
+                try:
+                    model.rotary(module).inv_freq()
+                except ValueError as e:
+                    raise ValueError(f"streaming_llm: cache_local_positions=True: {e}; allowed values for this "
+                                     f"model: cache_local_positions=False") from None
+        return self
+
+    def check_codec(self, codec) -> None:
+        if self.cache_local_positions:
+            raise ValueError(
+                f"streaming_llm: cache_local_positions=True re-rotates full-precision keys and cannot combine with the "
+                f"codec {codec.name!r}; allowed values: cache_local_positions=False")
+
     @property
     def rewrites_keys(self) -> bool:
         return self.cache_local_positions
@@ -61,18 +82,4 @@ class StreamingLLM(ScorerPolicy):
         n_valid = valid.sum(-1, keepdim=True)
         newest = positions.masked_fill(~valid, -1).amax(-1, keepdim=True)
         delta = (newest - (n_valid - 1 - rank)) - positions
-        return rotate_keys(ctx.keys, delta.masked_fill(~valid, 0), ctx.rotary_inv_freq)
-
-
-def rotate_keys(keys: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """Rotate post-RoPE keys [B, H, T, D] by `delta` [B, H, T] positions (half-split RoPE, as Llama-family
-    models use). Rotations compose additively, so this re-indexes a key from position p to p + delta.
-    Partial rotary (inv_freq shorter than D/2) rotates only the leading dims."""
-    rot = 2 * inv_freq.numel()
-    angles = delta[..., None].float() * inv_freq.to(keys.device).float()  # [B, H, T, rot/2]
-    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
-    x = keys[..., :rot].float()
-    half = rot // 2
-    rotated_half = torch.cat([-x[..., half:], x[..., :half]], -1)
-    out = (x * cos + rotated_half * sin).to(keys.dtype)
-    return torch.cat([out, keys[..., rot:]], -1) if rot < keys.shape[-1] else out
+        return rotate_keys(ctx.keys, delta.masked_fill(~valid, 0), ctx.rotary.inv_freq())

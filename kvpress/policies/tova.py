@@ -1,4 +1,5 @@
 from dataclasses import dataclass
+from typing import ClassVar
 
 from .base import Context, ScorerPolicy
 from .registry import register
@@ -11,7 +12,7 @@ class TOVA(ScorerPolicy):
     one index set shared by every KV head. Trims the prompt at prefill, then evicts one token per step."""
 
     name = "tova"
-    evicts_during_decode = True
+    evicts_during_decode: ClassVar[bool] = True
 
     def score(self, ctx: Context):
         probs = ctx.attention_probs(last=1)[:, :, 0]  # [B, Hq, T]

@@ -110,14 +110,14 @@ def speculative_generate(model, input_ids, attention_mask=None, *, draft="stream
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
     context = int(mask.sum(-1).min())
     existing = _PATCHES.get(model)
-    if existing is not None and (getattr(existing.policy, "evicts_during_decode", False) or existing.policy.selects):
+    if existing is not None and (existing.policy.evicts_during_decode or existing.policy.selects):
         raise ValueError(f"model is patched with {existing.policy.name!r}, which changes decode steps; allowed: an "
                          f"unpatched model, or a policy that only acts at prefill (e.g. none, snapkv, kivi)")
     target_policy = "none"
     if draft == "quant4" or isinstance(draft, Quant4View):
         # QuantSpec: the target reads 8-bit codes (the reference it is lossless to), the draft their upper 4 bits
         view = Quant4View()
-        codec = getattr(existing.policy, "codec", existing.policy) if existing is not None else None
+        codec = next((p for p in existing.policy.parts() if p.is_codec), None) if existing is not None else None
         if existing is not None and not (isinstance(codec, KIVI) and codec.bits == 8):
             raise ValueError("draft='quant4' reads the upper half of 8-bit codes; allowed: an unpatched model, or one "
                              "patched with kivi bits=8")
