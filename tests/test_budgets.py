@@ -369,7 +369,7 @@ def test_self_speculation_over_an_adaptive_cache_is_lossless():
     ids = torch.randint(3, 128, (1, 120), generator=torch.Generator().manual_seed(5))
     with kvpress.patch_model(model, "snapkv", compression_ratio=0.6, budget_allocation="adaptive", window_size=8):
         ref = greedy(model, ids, 16)
-        out = kvpress.speculative_generate(model, ids, draft="streaming_llm", gamma=3, max_new_tokens=16,
+        out = kvpress.speculative_generate(model, ids, draft="sink_window", gamma=3, max_new_tokens=16,
                                            draft_budget=24)
     assert torch.equal(out[:, :ref.shape[1]], ref)
 

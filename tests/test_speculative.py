@@ -73,7 +73,7 @@ def test_custom_generate_entry_point_and_patched_prefill_policy():
     # speculation over a SnapKV-compressed cache equals plain greedy over the same compressed cache
     with kvpress.patch_model(model, "snapkv", compression_ratio=0.5, window_size=4):
         ref = plain(model, ids, torch.ones_like(ids), 20)
-        out = speculative_generate(model, ids, draft="streaming_llm", gamma=4, max_new_tokens=20, draft_budget=12)
+        out = speculative_generate(model, ids, draft="sink_window", gamma=4, max_new_tokens=20, draft_budget=12)
     assert out.tolist() == ref.tolist()
 
 
@@ -83,10 +83,10 @@ def test_rollback_leaves_the_cache_as_if_rejected_tokens_never_came():
     with kvpress.patch_model(model, "none"):
         spec = KVPressCache(model.config)
         model(prompt, past_key_values=spec)
-        spec.read_view = DRAFTS["retrieval"](budget=8, chunk_size=4, recent=4)
+        spec.read_policy = DRAFTS["retrieval"](budget=8, chunk_size=4, recent=4)
         for token in [x, drafts[:, :1], drafts[:, 1:2]]:  # draft steps write draft KV ...
             model(token, past_key_values=spec)
-        spec.read_view = None
+        spec.read_policy = None
         spec.crop(-3)  # ... which is rolled back before verification
         model(torch.cat([x, drafts], 1), past_key_values=spec)  # verify 1 + 3
         spec.crop(-2)  # one draft accepted: keep x, d1
@@ -149,7 +149,7 @@ def test_speculative_sampling_matches_plain_sampling_in_distribution():
     kw = dict(temperature=0.9, top_p=0.95)
     torch.manual_seed(1)
     ref = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, max_new_tokens=3, **kw)
-    out, stats = speculative_generate(model, ids, draft="streaming_llm", gamma=2, max_new_tokens=3, do_sample=True,
+    out, stats = speculative_generate(model, ids, draft="sink_window", gamma=2, max_new_tokens=3, do_sample=True,
                                       draft_budget=4, n_sink=1, generator=torch.Generator().manual_seed(2),
                                       return_stats=True, **kw)
     assert 0.05 < stats.acceptance_rate < 0.97  # the draft really differs from the target
@@ -217,7 +217,7 @@ def test_page_stats_follow_appends_and_rollback():
 # ---------------------------------------------------------------------------- bad input
 @pytest.mark.parametrize("kwargs,match", [
     (dict(gamma=0), r"gamma=0; allowed values: an int >= 1"),
-    (dict(draft="medusa"), r"draft='medusa' is unknown; allowed values: \['quant4', 'quest', 'retrieval', 'streaming_llm', 'topk'\]"),
+    (dict(draft="medusa"), r"draft='medusa' is unknown; allowed values: \['quant4', 'quest', 'retrieval', 'sink_window', 'topk'\]"),
     (dict(draft="quant4", gamma=200), r"gamma=200 exceeds the full-precision residual"),
     (dict(draft_budget=500), r"draft_budget=500 is larger than the context \(40 tokens\)"),
     (dict(do_sample=True, temperature=0.0), r"temperature=0.0; allowed values"),

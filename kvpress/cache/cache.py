@@ -41,7 +41,7 @@ class KVPressCache(Cache):
         self._token_mask: torch.Tensor | None = None
         # A read policy whose selection every kvpress layer reads instead of all its slots (the draft view
         # of self-speculative decoding); None: read everything.
-        self.read_view = None
+        self.read_policy = None
         # While a chunked prefill runs (set by the patch's chunk loop): (real tokens of the whole prompt per row
         # [B], the prompt's padded length). Every chunk is then a prefill step and budgets follow the whole
         # prompt; None otherwise.
@@ -80,7 +80,7 @@ class KVPressCache(Cache):
         out = copy.copy(self)
         out.layers = [layer.fork() if isinstance(layer, KVPressLayer) else copy.copy(layer) for layer in self.layers]
         out._token_mask = None
-        out.read_view = None
+        out.read_policy = None
         out.chunked_prompt = None
         out.probe = None
         out.prefilling = False

@@ -76,7 +76,7 @@ def kvpress_attention(module, query, key, value, attention_mask, **kwargs):
     )
     policy = patch.policy
     # A read view: the cache's draft view during self-speculation, else a read policy after prefill.
-    view = cache.read_view
+    view = cache.read_policy
     if view is None and policy.selects and phase not in ("prefill", "probe"):
         view = policy
     read = Read(

@@ -23,7 +23,7 @@ from ..cache import KVPressCache
 from ..integrations.hf import _PATCHES, patch_model
 from ..policies import KIVI, Quant4View, Quest, ReadPolicy, Retrieval, SinkWindow, TopK
 
-DRAFTS = {"streaming_llm": SinkWindow, "retrieval": Retrieval, "quest": Quest, "topk": TopK, "quant4": Quant4View}
+DRAFTS = {"sink_window": SinkWindow, "retrieval": Retrieval, "quest": Quest, "topk": TopK, "quant4": Quant4View}
 
 
 @dataclass
@@ -94,13 +94,14 @@ def _check(draft, gamma, max_new_tokens, do_sample, temperature, top_p):
 
 
 @torch.no_grad()
-def speculative_generate(model, input_ids, attention_mask=None, *, draft="streaming_llm", gamma: int = 4,
+def speculative_generate(model, input_ids, attention_mask=None, *, draft="sink_window", gamma: int = 4,
                          max_new_tokens: int = 64, do_sample: bool = False, temperature: float = 1.0,
                          top_p: float = 1.0, draft_budget: int | None = None, eos_token_id=None,
                          pad_token_id=None, generator=None, return_stats: bool = False, **draft_params):
     """Generate with the model drafting for itself from a cheap view of its own KVPressCache.
 
-    draft: "streaming_llm" (sinks + window), "retrieval" (TriForce chunks), "quest" (pages), "topk", or a
+    draft: "sink_window" (sinks + window, MagicDec's StreamingLLM-style view), "retrieval" (TriForce chunks),
+    "quest" (pages), "topk", or a
     ReadPolicy; draft_budget: tokens the draft reads (default 10% of the shortest prompt, at least 64).
     draft="quant4": the cache is stored as 8-bit KIVI codes (the target reads them whole, so outputs equal the
     8-bit-KV model's) and the draft reads their upper 4 bits; draft_params then configure KIVI.
@@ -172,7 +173,7 @@ def _loop(model, input_ids, prompt_mask, view, gamma, max_new_tokens, do_sample,
         g = min(gamma, max_new_tokens - produced - 1)
         last = out[-1][:, -1:]
         drafts, q_probs = [], []
-        cache.read_view = view
+        cache.read_policy = view
         try:
             current = last
             for _ in range(g):
@@ -181,7 +182,7 @@ def _loop(model, input_ids, prompt_mask, view, gamma, max_new_tokens, do_sample,
                 q_probs.append(q)
                 current = d[:, None]
         finally:
-            cache.read_view = None
+            cache.read_policy = None
         if g:
             cache.crop(-g)  # the draft's KV of `last`, d_1..d_{g-1}: the verifier recomputes it exactly
         d = torch.stack(drafts, 1) if g else last.new_zeros(batch, 0)
@@ -213,7 +214,7 @@ def _loop(model, input_ids, prompt_mask, view, gamma, max_new_tokens, do_sample,
 
 
 def custom_generate(model, input_ids, logits_processor=None, stopping_criteria=None, generation_config=None,
-                    draft="streaming_llm", gamma=4, draft_budget=None, **model_kwargs):
+                    draft="sink_window", gamma=4, draft_budget=None, **model_kwargs):
     """`model.generate(..., custom_generate=kvpress.speculative.custom_generate, draft=..., gamma=...)`.
     Uses the generation config's max length, sampling, temperature, top-p, EOS and pad tokens."""
     config = generation_config

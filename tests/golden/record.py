@@ -50,7 +50,7 @@ TINY_CONFIGS = [
     ("topk", "topk", dict(budget=24), {}),
     ("sink_window", "sink_window", dict(budget=24), {}),
 ]
-DRAFTS = [("streaming_llm", {}), ("quest", dict(page_size=8)), ("retrieval", dict(chunk_size=8, recent=8)),
+DRAFTS = [("sink_window", {}), ("quest", dict(page_size=8)), ("retrieval", dict(chunk_size=8, recent=8)),
           ("topk", {}), ("quant4", dict(group_size=16, residual_length=16))]
 SMOL_CONFIGS = [
     ("none", "none", {}),
@@ -139,7 +139,7 @@ def smol_cases():
 
     for name, spec, params in SMOL_CONFIGS:
         yield f"smollm2/{name}", lambda s=spec, p=params: run_config(*inputs(), s, p, {}, new_tokens=12)
-    yield "smollm2/draft_streaming_llm", lambda: run_draft(*inputs(), "streaming_llm", {}, new_tokens=12)
+    yield "smollm2/draft_sink_window", lambda: run_draft(*inputs(), "sink_window", {}, new_tokens=12)
 
 
 def all_cases():
