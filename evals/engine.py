@@ -128,6 +128,24 @@ class FanOut(Policy):
                 self.total_s += own_s
             self.total_s += shared_s
 
+    def after_prefill(self, run) -> None:
+        """Model-level hooks (KVzip's replay and global selection) on each config's own layers. Configs that differ
+        only in budget share one replay through run.memo; its time is charged to every config that uses it."""
+        memo, shared_s = {}, {}
+        for c, policy in self.policies.items():
+            if not policy.needs().model_pass:
+                continue
+            own = run.cache.fork()
+            own.layers = [self.layers[c].get(i, layer) for i, layer in enumerate(own.layers)]
+            group = _params_key(policy)
+            start = time.perf_counter()
+            policy.after_prefill(dataclasses.replace(run, cache=own, memo=memo))
+            elapsed = time.perf_counter() - start
+            self.total_s += elapsed
+            self.score_s[c] += elapsed + shared_s.get(group, 0.0)
+            shared_s.setdefault(group, elapsed)
+            self.layers[c] = {i: layer for i, layer in enumerate(own.layers) if i in self.layers[c]}
+
 
 @dataclass
 class Prefill:

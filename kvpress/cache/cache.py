@@ -86,6 +86,16 @@ class KVPressCache(Cache):
         out.prefilling = False
         return out
 
+    def _snapshot(self) -> list:
+        """Every layer's state, to put back with _restore (in place: the layer objects stay the same). Tensors are
+        shared, not copied: layers replace them on update and never write into them (see KVPressLayer.fork)."""
+        return [layer.fork() if isinstance(layer, KVPressLayer) else copy.copy(layer) for layer in self.layers]
+
+    def _restore(self, snapshot: list) -> None:
+        for layer, saved in zip(self.layers, snapshot):
+            layer.__dict__.clear()
+            layer.__dict__.update(saved.__dict__)
+
     @classmethod
     def stack(cls, caches: list["KVPressCache"]) -> "KVPressCache":
         """One batch whose rows are single-row caches that have seen the same tokens (see KVPressLayer.stack);

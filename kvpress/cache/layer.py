@@ -50,6 +50,7 @@ class KVPressLayer(CacheLayerMixin):
       decode_start   tokens seen when the prompt ended (generated tokens have positions >= it)
       seen           tokens seen so far (positions of new tokens derive from it, never from the slot count)
       last_q_len     tokens appended by the latest update (tells prefill / decode / extend apart)
+      stats          per-layer policy statistics, batch-first (e.g. ExpectedAttention's query moments)
       aux            derived read-side state (e.g. per-page key statistics); dropped on compaction
     """
 
@@ -65,6 +66,7 @@ class KVPressLayer(CacheLayerMixin):
         self.row_budget: torch.Tensor | None = None
         self.decode_start = 0
         self.aux: dict = {}
+        self.stats: dict[str, torch.Tensor] = {}  # per-layer policy statistics, batch-first [B, ...]
         self.seen = 0
         self.last_q_len = 0
 
@@ -75,6 +77,7 @@ class KVPressLayer(CacheLayerMixin):
         out.__dict__.update(self.__dict__)
         self.segments = [s.detach() for s in self.segments]
         out.segments = list(self.segments)
+        out.stats = dict(self.stats)
         out.aux = {}
         return out
 
@@ -173,6 +176,7 @@ class KVPressLayer(CacheLayerMixin):
         self.segments = [s.map_rows(fn) for s in self.segments]
         if self.row_budget is not None:
             self.row_budget = fn(self.row_budget)
+        self.stats = {name: fn(t) for name, t in self.stats.items()}
         self.aux = {}
 
     # ------------------------------------------------------------------ storage shape
@@ -546,6 +550,8 @@ class KVPressLayer(CacheLayerMixin):
             out.segments = [Segment(FullPrecision(keys, values), positions, valid, state)]
         if all(l.row_budget is not None for l in layers):
             out.row_budget = torch.cat([l.row_budget for l in layers])
+        out.stats = {name: torch.cat([l.stats[name] for l in layers]) for name in first.stats
+                     if all(name in l.stats for l in layers)}
         if len({l.decode_start for l in layers}) == 1:
             out.decode_start = first.decode_start
         return out

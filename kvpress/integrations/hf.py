@@ -167,28 +167,31 @@ class Patch:
         cache = kwargs.get("past_key_values")
         if isinstance(cache, KVPressCache):
             cache.set_attention_mask(kwargs.get("attention_mask"))
-            cache.prefilling = cache.probe is None and (cache.get_seq_length() == 0 or cache.chunked_prompt is not None)
+            cache.prefilling = cache.probe is None and cache.get_seq_length() == 0
 
     def _after_forward(self, model, args, kwargs, output):
         cache = kwargs.get("past_key_values")
-        if not isinstance(cache, KVPressCache) or not cache.prefilling:
-            return
+        if isinstance(cache, KVPressCache) and cache.prefilling:
+            self._after_prompt(cache, args, kwargs)
+
+    def _after_prompt(self, cache: KVPressCache, args, kwargs) -> None:
+        """After a prompt forward (or one chunk of a chunked prefill): the model-level hook, then the bytes held."""
         cache.prefilling = False
         if self._needs.model_pass:
-            self.policy.after_prefill(self.model_pass(cache, kwargs))
+            self.policy.after_prefill(self.model_pass(cache, args, kwargs))
         cache.prefill_nbytes = cache.nbytes()
         cache.prefill_kv_nbytes = sum(row["kv_bytes"] for row in cache.stats())
 
     # -- the model-level hook
-    def model_pass(self, cache: KVPressCache, kwargs) -> ModelPass:
-        """What after_prefill sees after a prompt forward with these kwargs."""
-        ids = kwargs.get("input_ids")
+    def model_pass(self, cache: KVPressCache, args, kwargs) -> ModelPass:
+        """What after_prefill sees after a prompt forward with these arguments."""
+        ids = kwargs.get("input_ids", args[0] if args else None)
         mask = kwargs.get("attention_mask")
         mask = mask if mask is not None and mask.dim() == 2 else None
         positions = kwargs.get("position_ids")
         seen = cache.get_seq_length()
-        batch = (ids if ids is not None else kwargs["inputs_embeds"]).shape[0]
-        device = (ids if ids is not None else kwargs["inputs_embeds"]).device
+        tokens = ids if ids is not None else kwargs["inputs_embeds"]
+        batch, device = tokens.shape[0], tokens.device
         if positions is not None:
             next_positions = positions[..., -1].reshape(-1).expand(batch).long() + 1
         else:  # transformers' default: the forward's tokens sit at seen - n .. seen - 1
@@ -201,7 +204,7 @@ class Patch:
         """Run `input_ids` [B, n] over the cache (attending to everything it holds), calling `on_layer(ctx)` in every
         kvpress layer after attention; then put every layer back exactly as it was (nothing the probe appended
         stays; seen and positions are untouched)."""
-        saved = cache.fork()
+        saved = cache._snapshot()
         mask = cache._token_mask
         cache.probe = on_layer
         try:
@@ -210,7 +213,7 @@ class Patch:
                            past_key_values=cache, use_cache=True, logits_to_keep=1)
         finally:
             cache.probe = None
-            cache.layers = saved.layers
+            cache._restore(saved)
             cache._token_mask = mask
 
     # -- attention helpers
@@ -259,9 +262,44 @@ class Patch:
                     or tokens.shape[1] <= chunk or (mask is not None and mask.dim() != 2)
                     or not isinstance(keep, int)):
                 return forward(*args, **kwargs)  # not a prompt we can split: one shot
-            return _chunked_prefill(forward, cache, chunk, tokens.shape[0], tokens.shape[1], mask, keep, kwargs)
+            return self._chunked_prefill(forward, cache, chunk, tokens.shape[0], tokens.shape[1], mask, keep,
+                                         kwargs)
 
         return chunked_prefill_forward
+
+    def _chunked_prefill(self, forward, cache, chunk, batch, length, mask, logits_to_keep, kwargs):
+        """Feed the prompt `chunk` tokens at a time; after each chunk every kvpress layer runs the policy's prefill
+        hook and the model-level hook runs once, so the cache holds at most budget + one chunk. Budgets follow the
+        whole prompt's length (see chunk_share in policies/base.py). Returns the last forward's output, with the
+        logits the caller asked for (logits_to_keep: 0 = all)."""
+        real = mask.sum(-1) if mask is not None else torch.full((batch,), length)
+        device = next(t for t in (kwargs.get("input_ids"), kwargs.get("inputs_embeds")) if t is not None).device
+        cache.chunked_prompt = (real.to(device), length)
+        logits = []
+        try:
+            for start in range(0, length, chunk):
+                end = min(length, start + chunk)
+                step = dict(kwargs)
+                for name in _PER_TOKEN_INPUTS:
+                    if kwargs.get(name) is not None:
+                        step[name] = kwargs[name][..., start:end] if name == "position_ids" else kwargs[name][:, start:end]
+                if kwargs.get("cache_position") is not None:
+                    step["cache_position"] = kwargs["cache_position"][start:end]
+                if mask is not None:
+                    step["attention_mask"] = mask[:, :end]
+                cache.set_attention_mask(step.get("attention_mask"))
+                # logits this chunk must return: all (0), its tail that falls in the last `logits_to_keep`, or
+                # one that is dropped
+                wanted = end - start if logits_to_keep == 0 else min(end - start, logits_to_keep - (length - end))
+                step["logits_to_keep"] = max(wanted, 1) if logits_to_keep != 0 else 0
+                out = forward(**step)
+                self._after_prompt(cache, (), step)  # the chunk loop runs below the model's own hooks
+                if wanted > 0:
+                    logits.append(out.logits)
+        finally:
+            cache.chunked_prompt = None
+        out.logits = torch.cat(logits, 1) if len(logits) > 1 else logits[0]
+        return out
 
     # -- undo
     def unpatch(self) -> None:
@@ -294,40 +332,6 @@ class Patch:
 
 _ABSENT = object()
 _PER_TOKEN_INPUTS = ("input_ids", "inputs_embeds", "position_ids", "token_type_ids")
-
-
-def _chunked_prefill(forward, cache, chunk, batch, length, mask, logits_to_keep, kwargs):
-    """Feed the prompt `chunk` tokens at a time; after each chunk every kvpress layer runs the policy's prefill
-    hook, so the cache holds at most budget + one chunk. Budgets follow the whole prompt's length (see
-    ScorerPolicy.on_prefill for how each chunk is cut). Returns the last forward's output, with the logits
-    the caller asked for (logits_to_keep: 0 = all)."""
-    real = mask.sum(-1) if mask is not None else torch.full((batch,), length)
-    device = next(t for t in (kwargs.get("input_ids"), kwargs.get("inputs_embeds")) if t is not None).device
-    cache.chunked_prompt = (real.to(device), length)
-    logits = []
-    try:
-        for start in range(0, length, chunk):
-            end = min(length, start + chunk)
-            step = dict(kwargs)
-            for name in _PER_TOKEN_INPUTS:
-                if kwargs.get(name) is not None:
-                    step[name] = kwargs[name][..., start:end] if name == "position_ids" else kwargs[name][:, start:end]
-            if kwargs.get("cache_position") is not None:
-                step["cache_position"] = kwargs["cache_position"][start:end]
-            if mask is not None:
-                step["attention_mask"] = mask[:, :end]
-            cache.set_attention_mask(step.get("attention_mask"))
-            # logits this chunk must return: all (0), its tail that falls in the last `logits_to_keep`, or
-            # one that is dropped
-            wanted = end - start if logits_to_keep == 0 else min(end - start, logits_to_keep - (length - end))
-            step["logits_to_keep"] = max(wanted, 1) if logits_to_keep != 0 else 0
-            out = forward(**step)
-            if wanted > 0:
-                logits.append(out.logits)
-    finally:
-        cache.chunked_prompt = None
-    out.logits = torch.cat(logits, 1) if len(logits) > 1 else logits[0]
-    return out
 
 
 def _eager_function(attention_module):

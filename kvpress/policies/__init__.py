@@ -9,6 +9,9 @@ from .tova import TOVA
 from .snapkv import SnapKV
 from .h2o import H2O
 from .streaming_llm import StreamingLLM
+from .kvzip import KVzip
+from .expected_attention import ExpectedAttention
+from .keydiff import KeyDiff
 from .kivi import KIVI
 from .gear import GEAR
 from .compose import Composed
@@ -17,6 +20,6 @@ from .sparse import Quant4View, Quest, ReadPolicy, Retrieval, SinkWindow, TopK
 __all__ = [
     "Policy", "BudgetPolicy", "ScorerPolicy", "Context", "select_kept",
     "register", "list_policies", "get_policy_class", "resolve_policy",
-    "NoCompression", "Knorm", "RandomPolicy", "TOVA", "SnapKV", "H2O", "StreamingLLM",
+    "NoCompression", "Knorm", "RandomPolicy", "TOVA", "SnapKV", "H2O", "StreamingLLM", "KVzip", "ExpectedAttention", "KeyDiff",
     "KIVI", "GEAR", "Composed", "ReadPolicy", "Quest", "Retrieval", "TopK", "SinkWindow", "Quant4View",
 ]

@@ -80,3 +80,26 @@ def adaptive_head_budgets(scores: torch.Tensor, valid: torch.Tensor, n_keep: tor
     flat_rank = s.reshape(batch, -1).argsort(dim=-1, descending=True, stable=True).argsort(-1)
     chosen = (flat_rank < total[:, None]).reshape(batch, heads, width) & valid
     return chosen.sum(-1), s
+
+
+def global_budgets(scores: list, valid: list, kept_first: list, total: torch.Tensor) -> tuple[list, list]:
+    """One top-k over every (layer, KV head, slot) of a row (KVzip's non-uniform allocation): per layer, ([B, Hkv]
+    tokens each head keeps, [B, Hkv, T] priorities to pick them by), so that row b keeps total[b] tokens over all
+    layers and heads. `kept_first` (per layer [B, Hkv, T] or None) are taken before any other."""
+    flat = []
+    for s, ok, first in zip(scores, valid, kept_first):
+        s = s.float().masked_fill(~ok, -math.inf)
+        if first is not None:
+            s = s.masked_fill(first & ok, math.inf)
+        flat.append(s.flatten(1))
+    sizes = [f.shape[1] for f in flat]
+    joined = torch.cat(flat, 1)  # [B, sum of Hkv x T]
+    # a stable sort: ties go to the earlier (layer, head, slot), the same with or without left padding
+    rank = joined.argsort(dim=-1, descending=True, stable=True).argsort(-1)
+    chosen = (rank < total[:, None]) & (joined > -math.inf)
+    counts, priorities = [], []
+    for part, s, ok in zip(chosen.split(sizes, 1), scores, valid):
+        part = part.view_as(ok) & ok
+        counts.append(part.sum(-1))
+        priorities.append(torch.where(part, math.inf, -math.inf))
+    return counts, priorities

@@ -178,6 +178,8 @@ class ModelPass:
     # probe(input_ids, attention_mask, position_ids, on_layer): a forward of extra tokens over the cache that
     # calls on_layer(ctx) in every kvpress layer after attention and leaves the cache exactly as it was
     probe: Callable
+    # results a policy may share between passes over the same prompt (evals: configs that differ only in budget)
+    memo: dict = dataclasses.field(default_factory=dict)
 
     def layers(self) -> list:
         """(layer_idx, KVPressLayer) of every layer kvpress compresses."""

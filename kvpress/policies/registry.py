@@ -65,6 +65,11 @@ def _compose(parts, params: dict) -> Policy:
     for part, cls in zip(parts, classes):
         own = {k: v for k, v in params.items() if k in {f.name for f in dataclasses.fields(cls)}}
         built.append(resolve_policy(part, **own))
+    readers = [p for p in built if p.selects]
+    if readers:
+        raise ValueError(f"policy: {readers[0].name!r} is a read policy (it picks the slots each decode step reads and "
+                         f"evicts nothing), which composes with no eviction policy or codec; allowed: "
+                         f"{readers[0].name!r} alone, or as a speculative draft")
     codecs = [p for p in built if p.is_codec]
     evictors = [p for p in built if not p.is_codec]
     if len(codecs) > 1:

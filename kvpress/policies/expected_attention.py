@@ -1,0 +1,114 @@
+"""ExpectedAttention (NVIDIA kvpress, 2025): keep the keys that future queries are expected to attend to.
+
+The queries seen so far are summarised per (row, query head) by the mean mu and covariance Sigma of their
+PRE-RoPE vectors (the first `n_sink` real tokens skipped: their hidden states are outliers). Future queries sit
+at the next `n_future_positions` positions; RoPE is linear, so their expected rotation is the average rotation
+R_bar over those positions: mu' = R_bar mu, Sigma' = R_bar Sigma R_bar^T. For a Gaussian query, the log of
+E[exp(s q.k)] is s mu'.k + s^2 k^T Sigma' k / 2 (s the attention scaling, 1/sqrt(D)); a softmax over the
+stored keys gives the expected attention per query head, averaged over each GQA group, times ||v|| (+ epsilon).
+The first n_sink real slots are always kept.
+
+The query statistics are running sums kept in the cache layer (`observe`, every forward), so the same score
+serves prefill, each chunk of a chunked prefill, and decode steps (decode_budget). Pre-RoPE queries come from the
+post-RoPE ones by the layer's own rotary embedding (declared need: rotary), so QK-norm models (Qwen3, Gemma3)
+need nothing model-specific.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..positions import apply_rotary, rotate_half
+from .base import Context, Needs, ScorerPolicy, first_valid
+from .registry import register
+
+_COUNT, _REAL, _SUM, _OUTER = "ea_count", "ea_real_seen", "ea_query_sum", "ea_query_outer"
+
+
+@register
+@dataclass
+class ExpectedAttention(ScorerPolicy):
+    name = "expected_attention"
+    n_future_positions: int = 512
+    n_sink: int = 4
+    use_covariance: bool = True
+    use_vnorm: bool = True
+    epsilon: float = 0.0
+
+    def validate(self) -> None:
+        super().validate()
+        for field, low in (("n_future_positions", 1), ("n_sink", 0)):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"expected_attention: {field}={value!r}; allowed values: an int >= {low}")
+        for field in ("use_covariance", "use_vnorm"):
+            if not isinstance(getattr(self, field), bool):
+                raise ValueError(f"expected_attention: {field}={getattr(self, field)!r}; allowed values: True, False")
+        if not isinstance(self.epsilon, (int, float)) or self.epsilon < 0:
+            raise ValueError(f"expected_attention: epsilon={self.epsilon!r}; allowed values: a number >= 0")
+
+    def needs(self) -> Needs:
+        return Needs(rotary=True)
+
+    def observe(self, ctx: Context) -> None:
+        """Add this forward's real, non-sink pre-RoPE queries to the layer's running statistics."""
+        layer, stats = ctx.layer, ctx.layer.stats
+        q = ctx.pre_rope_query()  # [B, Hq, r, D] fp32
+        batch, hq, rows, dim = q.shape
+        real = layer.tail.view_valid(batch, layer.num_kv_heads, q.device)[:, 0, -rows:]  # [B, r] not padding
+        before = stats.get(_REAL, torch.zeros(batch, dtype=torch.long, device=q.device))
+        rank = before[:, None] + real.long().cumsum(-1) - 1  # rank of each row among the row's real tokens
+        use = (real & (rank >= self.n_sink)).float()  # [B, r]
+        q = q * use[:, None, :, None]
+        stats[_REAL] = before + real.sum(-1)
+        stats[_COUNT] = stats.get(_COUNT, 0) + use.sum(-1)
+        stats[_SUM] = stats.get(_SUM, 0) + q.sum(2)
+        if self.use_covariance:
+            stats[_OUTER] = stats.get(_OUTER, 0) + torch.einsum("bhrd,bhre->bhde", q, q)
+
+    def score(self, ctx: Context) -> torch.Tensor:
+        layer, stats = ctx.layer, ctx.layer.stats
+        count = stats[_COUNT].clamp(min=1)[:, None, None]  # [B, 1, 1]
+        mean = stats[_SUM] / count  # [B, Hq, D]
+        # the average rotation over the next positions, as cos/sin means (RoPE is linear in cos and sin)
+        start = ctx.query_rope_positions()[:, -1:] + 1  # [B, 1]
+        future = start + torch.arange(self.n_future_positions, device=start.device)
+        cos, sin = ctx.rotary.cos_sin(future, mean.new_empty(0))
+        cos, sin = cos.float().mean(1, keepdim=True), sin.float().mean(1, keepdim=True)  # [B, 1, rot]
+        mean = apply_rotary(mean[:, :, None], cos, sin)[:, :, 0]  # mu' [B, Hq, D]
+        keys = ctx.keys.float()  # [B, Hkv, T, D]
+        batch, hkv, length, dim = keys.shape
+        group = mean.shape[1] // hkv
+        mean = mean.view(batch, hkv, group, dim)
+        logits = torch.einsum("bhgd,bhtd->bhgt", mean, keys) * ctx.scaling
+        if self.use_covariance:
+            cov = stats[_OUTER] / count[..., None] - torch.einsum("bhd,bhe->bhde", stats[_SUM] / count,
+                                                                  stats[_SUM] / count)
+            rotation = _rotation_matrix(cos[:, 0], sin[:, 0], dim)  # [B, D, D]
+            cov = rotation[:, None] @ cov @ rotation[:, None].transpose(-1, -2)  # Sigma' [B, Hq, D, D]
+            cov = cov.view(batch, hkv, group, dim, dim)
+            logits = logits + torch.einsum("bhtd,bhgde,bhte->bhgt", keys, cov, keys) * ctx.scaling ** 2 / 2
+        valid = layer.key_valid()
+        probs = logits.masked_fill(~valid[:, :, None], float("-inf")).softmax(-1).mean(2)  # [B, Hkv, T]
+        if self.use_vnorm:
+            probs = (probs + self.epsilon) * ctx.values.float().norm(dim=-1)
+        return probs
+
+    def protected(self, ctx: Context, n_keep: torch.Tensor):
+        return first_valid(ctx.layer.key_valid(), torch.clamp(n_keep, max=self.n_sink))
+
+
+def _rotation_matrix(cos: torch.Tensor, sin: torch.Tensor, dim: int) -> torch.Tensor:
+    """[B, D, D] matrix of x -> x cos + rotate_half(x) sin on the leading rot dims (cos/sin [B, rot]); identity on
+    the rest (partial rotary)."""
+    batch, rot = cos.shape
+    eye = torch.eye(dim, device=cos.device)
+    half = torch.zeros(dim, dim, device=cos.device)
+    half[:rot, :rot] = rotate_half(torch.eye(rot, device=cos.device)).T  # rotate_half(x) = half @ x
+    scale_cos = torch.ones(batch, dim, device=cos.device)
+    scale_cos[:, :rot] = cos
+    scale_sin = torch.zeros(batch, dim, device=cos.device)
+    scale_sin[:, :rot] = sin
+    return scale_cos[:, :, None] * eye + scale_sin[:, :, None] * half

@@ -1,0 +1,269 @@
+"""KVzip (Kim et al. 2025, arXiv 2505.23416): query-agnostic selection by context reconstruction.
+
+After the prompt is prefilled, the model is asked to repeat it: for each chunk of the prompt, the replay input
+is a short instruction, the chat template's assistant header, then the chunk's own tokens (teacher-forced),
+run over the whole prefilled cache (`ModelPass.probe`: nothing the replay appends is kept; `seen` and
+positions are untouched). In every layer, each replay query's attention is recomputed over a RESTRICTED key set,
+the row's first `n_sink` tokens + the chunk's slots + the replay tokens themselves (causal), softmax over that
+set only; a chunk slot's score is the largest probability any replay query of its KV head's group gives it.
+Sinks score +inf. Slots are then kept by `budget_allocation`: 'global' (default, the reference's
+layerwise=False) runs one top-k over every (layer, KV head, slot) of a row, so layers and heads keep different
+counts, stored flat (the bytes freed equal the tokens removed); 'uniform', 'pyramid', 'adaptive' cut per layer.
+`kvzip_plus=True` scores KVzip+ (the KVzap paper's target): each probability x ||W_O v|| (what the value writes
+into the residual stream, per query head) / ||h|| (the norm of the query row's attention input).
+
+Cost: the replay is a second forward over the prompt (+ a few instruction tokens per chunk), and the restricted
+scores one more pass over chunk x (chunk + replay) logits: about 2-2.5x the plain prefill. Peak memory: the full
+prompt's cache + one replay chunk. With chunked prefill, each prompt chunk is replayed right after it is
+prefilled and cut to its share of the budget (earlier survivors stay), so the cache holds budget + one chunk.
+The chat prefix tokens are scored like the context (the reference leaves them unscored, evicting the system
+prompt first). Generated tokens have no replay score, so there is no decode_budget.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+
+from .allocation import global_budgets
+from .base import Context, ModelPass, Needs, ScorerPolicy, chunk_share, evict_to_budget, first_valid, select_kept
+from .registry import register
+
+_ROW_BLOCK_ELEMENTS = 1 << 22  # fp32 logits per block of replay rows (16 MB)
+FIRST_INSTRUCTION = "\n\nRepeat the previous context exactly."
+NEXT_INSTRUCTION = "\n\nRepeat the part of the previous context exactly, starting with"
+NO_TEMPLATE_SUFFIX = "\n"  # models without a chat template: the chunk follows the instruction on a new line
+PREVIOUS_TAIL = 8  # tokens of the previous chunk quoted in the next instruction
+
+
+@dataclass(frozen=True)
+class ReplayPrompt:
+    """Token ids of the replay instructions, resolved from the model's tokenizer at patch time."""
+
+    first: tuple  # "Repeat the previous context exactly."
+    next: tuple  # "Repeat the part of the previous context exactly, starting with" (+ the previous chunk's tail)
+    suffix: tuple  # the chat template's end of user turn + assistant header (NO_TEMPLATE_SUFFIX without one)
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer) -> "ReplayPrompt":
+        def encode(text):
+            return tuple(tokenizer.encode(text, add_special_tokens=False))
+
+        template = getattr(tokenizer, "chat_template", None)
+        if template:
+            marker = "\n" + "#" * 13
+            text = tokenizer.apply_chat_template([{"role": "user", "content": "dummy context" + marker}],
+                                                 add_generation_prompt=True, tokenize=False)
+            suffix = text.split(marker)[1]
+        else:
+            suffix = NO_TEMPLATE_SUFFIX
+        return cls(encode(FIRST_INSTRUCTION), encode(NEXT_INSTRUCTION), encode(suffix))
+
+
+@register
+@dataclass
+class KVzip(ScorerPolicy):
+    name = "kvzip"
+    budget_allocation: str = "global"
+    chunk_size: int = 2048
+    n_sink: int = 4
+    kvzip_plus: bool = False
+    # the model's tokenizer (any object with encode(text, add_special_tokens) and, optionally, a chat template);
+    # None: loaded from the model's local folder when patching. Only the replay prompt's ids are kept from it.
+    tokenizer: object = field(default=None, repr=False, compare=False)
+    prompt: ReplayPrompt | None = field(default=None, repr=False, compare=False)
+    allocations: ClassVar[tuple] = ("global", "uniform", "pyramid", "adaptive")
+
+    def validate(self) -> None:
+        super().validate()
+        if isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int) or self.chunk_size < 1:
+            raise ValueError(f"kvzip: chunk_size={self.chunk_size!r}; allowed values: an int >= 1")
+        if isinstance(self.n_sink, bool) or not isinstance(self.n_sink, int) or self.n_sink < 0:
+            raise ValueError(f"kvzip: n_sink={self.n_sink!r}; allowed values: an int >= 0")
+        if not isinstance(self.kvzip_plus, bool):
+            raise ValueError(f"kvzip: kvzip_plus={self.kvzip_plus!r}; allowed values: True, False")
+        if self.decode_budget is not None:
+            raise ValueError(f"kvzip: decode_budget={self.decode_budget!r}: generated tokens get no replay score; "
+                             f"allowed values: None")
+
+    def needs(self) -> Needs:
+        return Needs(model_pass=True, hidden_states=self.kvzip_plus)
+
+    def for_model(self, model) -> "KVzip":
+        if self.kvzip_plus and not all(isinstance(getattr(m, "o_proj", None), torch.nn.Linear) for m in model.modules):
+            raise ValueError("kvzip: kvzip_plus=True weighs each value by ||W_O v|| and needs attention modules with an "
+                             "o_proj linear layer; allowed values for this model: kvzip_plus=False")
+        if self.prompt is not None:
+            return self
+        tokenizer = self.tokenizer if self.tokenizer is not None else _load_tokenizer(model.model)
+        return dataclasses.replace(self, tokenizer=None, prompt=ReplayPrompt.from_tokenizer(tokenizer))
+
+    # -- per layer: the budget is fixed at prefill; nothing is evicted before the replay
+    def on_prefill(self, ctx: Context) -> None:
+        self.start_budget(ctx)
+
+    def score(self, ctx: Context) -> torch.Tensor:
+        raise NotImplementedError("kvzip scores by replaying the prompt after prefill (after_prefill), not per layer")
+
+    # -- the model-level hook
+    def after_prefill(self, run: ModelPass) -> None:
+        key = ("kvzip", self.chunk_size, self.n_sink, self.kvzip_plus, self.prompt)
+        if key not in run.memo:  # configs that differ only in budget share one replay (evals)
+            run.memo[key] = self.replay_scores(run)
+        self.evict(run, run.memo[key])
+
+    def replay_scores(self, run: ModelPass) -> dict:
+        """{layer_idx: [B, Hkv, T] fp32} replay score of every slot this prompt forward added (0 elsewhere,
+        +inf for sinks)."""
+        if run.input_ids is None:
+            raise ValueError("kvzip replays the prompt's tokens; feed input_ids (not inputs_embeds)")
+        cache = run.cache
+        seen = cache.get_seq_length()
+        n_new = run.input_ids.shape[1]
+        device = run.input_ids.device
+        mask = torch.ones(run.input_ids.shape[0], seen, dtype=torch.bool, device=device) \
+            if run.attention_mask is None else run.attention_mask.bool()
+        real = mask[:, seen - n_new:]  # this forward's real tokens, per row
+        scores = {i: torch.zeros(*layer.key_valid().shape, device=device) for i, layer in run.layers()}
+        for replay_ids, replay_mask, positions, chunk in _replays(run.input_ids, real, seen - n_new, self.chunk_size,
+                                                                  self.prompt, run.next_positions):
+            def on_layer(ctx: Context, chunk=chunk):
+                s = scores[ctx.layer_idx]
+                width = s.shape[-1]
+                new = self._chunk_scores(ctx, chunk, seen)[..., :width]
+                s.copy_(torch.maximum(s, new))
+
+            run.probe(replay_ids, torch.cat([mask, replay_mask], 1).long(), positions, on_layer)
+        return scores
+
+    def _chunk_scores(self, ctx: Context, chunk: torch.Tensor, seen: int) -> torch.Tensor:
+        """[B, Hkv, T] max restricted-softmax probability each chunk slot gets from the replay queries (0 for the
+        others; +inf for sinks). chunk [B, 2]: raw position range [start, end) of each row's chunk (empty: none)."""
+        layer = ctx.layer
+        positions = layer.key_positions().long()
+        valid = layer.key_valid()
+        prompt = valid & (positions < seen)
+        sinks = first_valid(prompt, torch.full(prompt.shape[:2], self.n_sink, device=prompt.device))
+        in_chunk = prompt & (positions >= chunk[:, 0, None, None]) & (positions < chunk[:, 1, None, None])
+        replay = valid & (positions >= seen)
+        chosen = sinks | in_chunk | replay
+        count = chosen.sum(-1)
+        width = int(count.max())
+        order = (~chosen).long().argsort(dim=-1, stable=True)[..., :width]  # chosen slots, in slot order
+        ok = torch.arange(width, device=order.device) < count[..., None]
+        keys = _gather_rows(layer.keys_view(), order).float()
+        key_pos = positions.gather(-1, order)
+        is_chunk = in_chunk.gather(-1, order) & ok
+
+        batch, hq, rows, dim = ctx.query.shape
+        hkv = layer.num_kv_heads
+        group = hq // hkv
+        q = ctx.query.reshape(batch, hkv, group, rows, dim).float() * ctx.scaling
+        query_pos = ctx.query_positions()
+        query_real = valid[:, 0, -rows:]  # the replay's own padding never votes
+        weight = None
+        if self.kvzip_plus:
+            values = _gather_rows(layer.values_view(), order).float()  # [B, Hkv, K, D]
+            # ||W_O,h v||^2 = v^T (W_O,h^T W_O,h) v with W_O,h [hidden, D] the output block of query head h
+            w_o = ctx.module.o_proj.weight.float().view(-1, hkv, group, dim)  # [hidden, Hkv, g, D]
+            gram = torch.einsum("ohgd,ohge->hgde", w_o, w_o)  # [Hkv, g, D, D]
+            value_norm = torch.einsum("bhkd,hgde,bhke->bhgk", values, gram, values).clamp(min=0).sqrt()
+            hidden_norm = ctx.hidden_states.float().norm(dim=-1)  # [B, rows]
+            weight = (value_norm, hidden_norm)
+        best = torch.zeros(batch, hkv, width, device=keys.device)
+        step = max(1, _ROW_BLOCK_ELEMENTS // max(1, batch * hq * width))
+        for start in range(0, rows, step):
+            end = min(rows, start + step)
+            logits = torch.einsum("bhgrd,bhkd->bhgrk", q[:, :, :, start:end], keys)
+            if ctx.softcap is not None:
+                logits = torch.tanh(logits / ctx.softcap) * ctx.softcap
+            allowed = ok[:, :, None, :] & (key_pos[:, :, None, :] <= query_pos[start:end, None])
+            logits.masked_fill_(~allowed[:, :, None], -math.inf)
+            probs = logits.softmax(-1)
+            if weight is not None:
+                probs = probs * weight[0][:, :, :, None] / weight[1][:, None, None, start:end, None]
+            probs.masked_fill_(~query_real[:, None, None, start:end, None], 0.0)
+            best = torch.maximum(best, probs.amax(dim=(2, 3)))
+        out = torch.zeros(batch, hkv, positions.shape[-1], device=keys.device)
+        out.scatter_(-1, order, torch.where(is_chunk, best, 0.0))
+        return out.masked_fill(sinks, math.inf)
+
+    def evict(self, run: ModelPass, scores: dict) -> None:
+        """Keep the best slots under the budget, per the allocation; slots from earlier chunks of a chunked prefill
+        stay (this chunk adds its share)."""
+        layers = run.layers()
+        n_new = run.input_ids.shape[1]
+        budgets, earlier = {}, {}
+        for i, layer in layers:
+            if run.prompt_tokens is None:
+                budgets[i], earlier[i] = layer.row_budget, None
+            else:
+                budgets[i], earlier[i] = chunk_share(layer, run.prompt_tokens, run.prompt_length, n_new)
+        if self.budget_allocation != "global":
+            for i, layer in layers:
+                evict_to_budget(layer, scores[i], budgets[i], lambda n, e=earlier[i]: e, self.budget_allocation,
+                                self.head_floor)
+            return
+        valid = {i: layer.key_valid() for i, layer in layers}
+        heads = {i: valid[i].shape[1] for i, _ in layers}
+        total = sum(budgets[i] * heads[i] for i, _ in layers)  # [B] tokens a row keeps over all layers and heads
+        counts, priorities = global_budgets([scores[i] for i, _ in layers], [valid[i] for i, _ in layers],
+                                            [earlier[i] for i, _ in layers], total)
+        for (i, layer), n_keep, priority in zip(layers, counts, priorities):
+            if bool((n_keep == valid[i].sum(-1)).all()) and layer.stored == int(n_keep.max()):
+                continue
+            layer.keep(*select_kept(priority, valid[i], n_keep))
+
+
+def _gather_rows(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """tensor [B, H, T, D] at slots index [B, H, K] -> [B, H, K, D]."""
+    return tensor.gather(2, index[..., None].expand(-1, -1, -1, tensor.shape[-1]))
+
+
+def _replays(input_ids: torch.Tensor, real: torch.Tensor, first_position: int, chunk_size: int,
+             prompt: ReplayPrompt, next_positions: torch.Tensor):
+    """Yield (replay ids [B, R], replay mask [B, R], RoPE positions [B, R], chunk [B, 2]) for each replay forward:
+    row b replays its own i-th chunk of real tokens (left-padded to the batch's longest replay; a row whose tokens
+    are all replayed already sits the forward out as padding, with an empty chunk)."""
+    batch = input_ids.shape[0]
+    device = input_ids.device
+    rows = [input_ids[b][real[b]].tolist() for b in range(batch)]
+    starts = [first_position + int((~real[b]).sum()) for b in range(batch)]  # raw position of each row's first
+    n_chunks = max(1, max(math.ceil(len(r) / chunk_size) for r in rows))
+    for i in range(n_chunks):
+        replays, chunks = [], []
+        for b, tokens in enumerate(rows):
+            part = tokens[i * chunk_size:(i + 1) * chunk_size]
+            if not part:
+                replays.append([])
+                chunks.append((0, 0))
+                continue
+            instruction = list(prompt.first) if i == 0 else \
+                list(prompt.next) + tokens[i * chunk_size - PREVIOUS_TAIL:i * chunk_size]
+            replays.append(instruction + list(prompt.suffix) + part)
+            start = starts[b] + i * chunk_size
+            chunks.append((start, start + len(part)))
+        width = max(len(r) for r in replays)
+        ids = torch.zeros(batch, width, dtype=input_ids.dtype, device=device)
+        mask = torch.zeros(batch, width, dtype=torch.bool, device=device)
+        for b, r in enumerate(replays):
+            if r:
+                ids[b, width - len(r):] = torch.tensor(r, dtype=input_ids.dtype, device=device)
+                mask[b, width - len(r):] = True
+        positions = next_positions[:, None] + (mask.long().cumsum(-1) - 1).clamp(min=0)
+        yield ids, mask, positions, torch.tensor(chunks, device=device)
+
+
+def _load_tokenizer(model):
+    from transformers import AutoTokenizer
+
+    source = getattr(model.config, "_name_or_path", None) or getattr(model, "name_or_path", None)
+    try:
+        return AutoTokenizer.from_pretrained(source, local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - any failure means: we cannot build the replay prompt
+        raise ValueError(f"kvzip: tokenizer=None and no tokenizer could be loaded from the model's folder "
+                         f"({source!r}: {type(e).__name__}); allowed values: tokenizer=<the model's tokenizer>") from None
