@@ -14,6 +14,8 @@ tracks live memory, like max_memory_allocated on GPU. `--mmap-threshold 0` measu
 
   python benchmarks/prefill_memory.py                       # SmolLM2, 2K/4K/8K, writes docs/results/prefill_memory
   python benchmarks/prefill_memory.py --lengths 8192 --chunk 1024 --ratio 0.9
+  python benchmarks/prefill_memory.py --lengths 4096,8192 --modes "one-shot full cache,one-shot kvzip,chunked kvzip" \
+      --ratio 0.75 --chunk 2048 --out docs/results/kvzip_prefill   # KVzip's replay: time and peak
   python benchmarks/prefill_memory.py --model random-8b --device cuda --dtype bfloat16 --lengths 16384,65536
 
 `--model random-8b` builds a random-initialised Llama-3-8B-shaped model (no download; GPU only in practice).
@@ -32,7 +34,10 @@ MODES = {
     "one-shot full cache": dict(policy="none", chunk=False),
     "one-shot snapkv": dict(policy="snapkv", chunk=False),
     "chunked snapkv": dict(policy="snapkv", chunk=True),
+    "one-shot kvzip": dict(policy="kvzip", chunk=False),
+    "chunked kvzip": dict(policy="kvzip", chunk=True),
 }
+DEFAULT_MODES = "one-shot full cache,one-shot snapkv,chunked snapkv"
 
 
 def _rss_bytes(field: str) -> int:
@@ -117,6 +122,7 @@ def main(argv=None) -> None:
     p.add_argument("--out", default="docs/results/prefill_memory")
     p.add_argument("--mmap-threshold", type=int, default=65536,
                    help="MALLOC_MMAP_THRESHOLD_ for the measured processes; 0: glibc's default (dynamic)")
+    p.add_argument("--modes", default=DEFAULT_MODES, help=f"comma list of {list(MODES)}")
     p.add_argument("--mode", help=argparse.SUPPRESS)
     p.add_argument("--length", type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -124,9 +130,13 @@ def main(argv=None) -> None:
         print("RESULT " + json.dumps(child(args)))
         return
 
+    modes = [m.strip() for m in args.modes.split(",")]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        p.error(f"--modes: {unknown} unknown; allowed values: {list(MODES)}")
     rows = []
     for length in [int(x) for x in args.lengths.split(",")]:
-        for mode in MODES:
+        for mode in modes:
             cmd = [sys.executable, os.path.abspath(__file__), "--mode", mode, "--length", str(length)] + [
                 f"--{k}={v}" for k, v in dict(model=args.model, chunk=args.chunk, ratio=args.ratio, device=args.device,
                                               dtype=args.dtype, threads=args.threads).items()]
@@ -143,33 +153,34 @@ def main(argv=None) -> None:
                   f"KV after {r['kv_bytes_after'] / 2**20:8.1f} MiB   prefill {r['prefill_s']:6.1f} s", flush=True)
 
     print()
-    print("| prompt tokens | mode | peak above weights (MiB) | vs one-shot full cache | KV after prefill (MiB) | prefill s |")
+    print("| prompt tokens | mode | peak above weights (MiB) | vs one-shot full cache | KV after prefill (MiB) | "
+          "prefill s (vs full) |")
     print("|---|---|---|---|---|---|")
     for r in rows:
-        full = next(x for x in rows if x["length"] == r["length"] and x["mode"] == "one-shot full cache")
+        full = next((x for x in rows if x["length"] == r["length"] and x["mode"] == "one-shot full cache"), r)
         print(f"| {r['length']} | {r['mode']} | {r['peak_above_weights'] / 2**20:.1f} | "
               f"{r['peak_above_weights'] / full['peak_above_weights']:.2f} | {r['kv_bytes_after'] / 2**20:.1f} | "
-              f"{r['prefill_s']} |")
+              f"{r['prefill_s']} ({r['prefill_s'] / full['prefill_s']:.2f}x) |")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "results.jsonl"), "w") as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")
-    _plot(rows, os.path.join(args.out, "peak_memory_vs_context.png"), args)
+    _plot(rows, os.path.join(args.out, "peak_memory_vs_context.png"), args, modes)
 
 
-def _plot(rows, path, args) -> None:
+def _plot(rows, path, args, modes) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for mode in MODES:
+    for mode in modes:
         pts = sorted((r["length"], r["peak_above_weights"] / 2**20) for r in rows if r["mode"] == mode)
         ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=mode)
     ax.set_xlabel("prompt tokens")
     ax.set_ylabel("peak memory above weights (MiB)")
-    ax.set_title(f"{args.model} prefill, {args.device}: snapkv at {args.ratio:.0%}, chunk {args.chunk}", fontsize=10)
+    ax.set_title(f"{args.model} prefill, {args.device}: ratio {args.ratio:.0%}, chunk {args.chunk}", fontsize=10)
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()

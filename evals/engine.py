@@ -6,10 +6,11 @@ evict from that layer, so the forward (and the first generated token) is the sam
 config's own selection on it; a scoring policy's scores do not depend on the budget, so they are computed once
 per policy and cut at each ratio.
 
-Decoding stacks configs as rows of one cache (`row_budget` per row; shorter rows left-padded with invalid
-slots, which the core masks out and evicts first, as for its own ragged rows): prefill-only policies (none,
-SnapKV, ...) in one batch, decode-time evictors (H2O, TOVA, StreamingLLM) in another under `Rows`, which runs
-each row's own policy. Low-bit storage and custom hooks decode alone.
+Decoding stacks configs as rows of one cache (KVPressCache.stack: `row_budget` per row; rectangular rows
+left-padded with invalid slots, which the core masks out and evicts first; flat per-head runs concatenated):
+prefill-only policies (none, SnapKV, KVzip, ...) in one batch per storage layout (rectangular rows read through
+the model's attention, flat ones through the gather kernel), decode-time evictors (H2O, TOVA, StreamingLLM) in
+another under `Rows`, which runs each row's own policy. Low-bit storage and custom hooks decode alone.
 
 Only public pieces of kvpress are used: Policy hooks, ScorerPolicy.score / protected / row_budget / compress,
 evict_to_budget, KVPressCache.fork / stack. tests/test_evals_engine.py checks every config against its own plain patched
@@ -279,13 +280,17 @@ def decode_batches(pre: Prefill, configs: list[Config]) -> list[tuple[list[Confi
     under "none" (their hooks are no-ops after prefill); decode-time evictors share one batch under Rows;
     anything else (low-bit storage, custom hooks) decodes alone under its own policy."""
     made = {c: c.make() for c in configs}
-    passive, shared, extra, alone = [], [], {}, []
+    passive, passive_flat, shared, extra, alone = [], [], [], {}, []
     shared_keys = {}  # policy class -> the parameter set that rides in the shared Rows batch
     for c in configs:
         key = _params_key(made[c])
-        if any(isinstance(layer, KVPressLayer) and (layer.low_bit is not None or layer.is_flat)
-               for layer in pre.caches[c].layers):
-            alone.append(c)  # low-bit or ragged per-head storage: no row stacking here
+        layers = [layer for layer in pre.caches[c].layers if isinstance(layer, KVPressLayer)]
+        if any(layer.low_bit is not None for layer in layers):
+            alone.append(c)  # low-bit codes: no row stacking
+        elif _passive(made[c]) and any(layer.is_flat for layer in layers):
+            passive_flat.append(c)
+        elif any(layer.is_flat for layer in layers):
+            alone.append(c)
         elif _passive(made[c]):
             passive.append(c)
         elif _rowwise(made[c]) and shared_keys.setdefault(key[0], key) == key:
@@ -294,7 +299,7 @@ def decode_batches(pre: Prefill, configs: list[Config]) -> list[tuple[list[Confi
             extra.setdefault(key, []).append(c)
         else:
             alone.append(c)
-    out = [(passive, resolve_policy("none"))] if passive else []
+    out = [(batch, resolve_policy("none")) for batch in (passive, passive_flat) if batch]
     out += [(b, Rows([made[c] for c in b])) for b in [shared, *extra.values()] if b]
     return out + [([c], made[c]) for c in alone]
 

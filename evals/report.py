@@ -1,4 +1,9 @@
-"""Results on disk: JSON lines in, CSV summary, markdown table and plots out."""
+"""Results on disk: JSON lines in, CSV summary, markdown tables and plots out.
+
+Besides score per (policy, ratio), every config is placed at the bytes its cache really held after prefill
+(KVPressCache.nbytes(), in the dtype of the run) as a fraction of the full cache's: the accuracy-vs-bytes
+frontier (configs no other config beats with fewer bytes) and the best config at <= 10% / 25% / 50% of the
+bytes, per mode and length."""
 
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ from collections import defaultdict
 from pathlib import Path
 
 CELL = ("task", "length", "mode", "policy", "ratio")
+BYTE_BUDGETS = (0.10, 0.25, 0.50)
 
 
 def read_rows(out_dir) -> list[dict]:
@@ -40,6 +46,7 @@ def summarize(rows: list[dict]) -> list[dict]:
         rs = cells[key]
         out.append(dict(zip(CELL, key), n=len(rs), score=round(100 * _mean([r["score"] for r in rs]), 2),
                         kv_bytes=round(_mean([r["kv_bytes"] for r in rs])),
+                        cache_bytes=round(_mean([r.get("cache_bytes", r["kv_bytes"]) for r in rs])),
                         prefill_s=round(_mean([r["prefill_s"] for r in rs]), 3),
                         decode_s=round(_mean([r["decode_s"] for r in rs]), 3),
                         new_tokens=round(_mean([r["new_tokens"] for r in rs]), 1)))
@@ -73,6 +80,106 @@ def markdown(summary: list[dict]) -> str:
             n = sorted({s["n"] for s in cells})
             parts.append(f"\nn = {n[0] if len(n) == 1 else n}\n")
     return "\n".join(parts)
+
+
+def accuracy_per_byte(summary: list[dict]) -> list[dict]:
+    """Per (mode, length, policy, ratio): score averaged over tasks, and bytes held (nbytes) as a fraction of the
+    full cache's (policy 'none') on the same tasks; `frontier` marks configs that no config with fewer or equal
+    bytes beats (or matches with fewer bytes)."""
+    out = []
+    for mode, length in sorted({(s["mode"], s["length"]) for s in summary}, key=lambda k: (k[0], k[1] or 0)):
+        cells = [s for s in summary if s["mode"] == mode and s["length"] == length]
+        full = {s["task"]: s["cache_bytes"] for s in cells if s["policy"] == "none"}
+        tasks = sorted({s["task"] for s in cells})
+        points = []
+        for policy, ratio in sorted({(s["policy"], s["ratio"]) for s in cells}):
+            by_task = {s["task"]: s for s in cells if (s["policy"], s["ratio"]) == (policy, ratio)}
+            if set(by_task) != set(tasks) or not all(full.get(t) for t in tasks):
+                continue  # a config must cover every task, against a full-cache reference, to be compared
+            points.append(dict(mode=mode, length=length, policy=policy, ratio=ratio,
+                               score=round(_mean([by_task[t]["score"] for t in tasks]), 2),
+                               bytes=round(_mean([by_task[t]["cache_bytes"] / full[t] for t in tasks]), 4)))
+        for p in points:
+            p["frontier"] = not any((q["bytes"] <= p["bytes"] and q["score"] > p["score"]) or
+                                    (q["bytes"] < p["bytes"] and q["score"] >= p["score"]) for q in points)
+        out += sorted(points, key=lambda p: (p["bytes"], -p["score"]))
+    return out
+
+
+def best_within(points: list[dict], budget: float) -> dict | None:
+    """The highest-scoring config holding at most `budget` of the full cache's bytes (fewer bytes breaks ties)."""
+    fits = [p for p in points if p["bytes"] <= budget]
+    return max(fits, key=lambda p: (p["score"], -p["bytes"])) if fits else None
+
+
+def frontier_markdown(summary: list[dict]) -> str:
+    points = accuracy_per_byte(summary)
+    parts = ["## Accuracy per byte\n",
+             "Bytes: KVPressCache.nbytes() after prefill (keys/values or codes, scales, positions), in the dtype of "
+             "the run, as a fraction of the full cache's; score: average over tasks (x100). Full = policy none.\n"]
+    for mode, length in sorted({(p["mode"], p["length"]) for p in points}, key=lambda k: (k[0], k[1] or 0)):
+        cell = [p for p in points if (p["mode"], p["length"]) == (mode, length)]
+        full = next((p["score"] for p in cell if p["policy"] == "none"), float("nan"))
+        parts.append(f"**{mode}, {length} tokens**: best config at a byte budget (full cache: {full:.1f})\n")
+        parts.append("| bytes <= | best config | bytes | score | % of full's score |")
+        parts.append("|---|---|---|---|---|")
+        for budget in BYTE_BUDGETS:
+            best = best_within(cell, budget)
+            if best is None:
+                parts.append(f"| {budget:.0%} | (none fits) | | | |")
+                continue
+            label = best["policy"] if best["ratio"] == 0 else f"{best['policy']} @ {best['ratio']:.2f}"
+            parts.append(f"| {budget:.0%} | {label} | {best['bytes']:.1%} | {best['score']:.1f} | "
+                         f"{100 * best['score'] / full:.0f}% |" if full == full and full else
+                         f"| {budget:.0%} | {label} | {best['bytes']:.1%} | {best['score']:.1f} | |")
+        parts.append("\nFrontier (no config is better with fewer bytes):\n")
+        parts.append("| config | bytes | score |")
+        parts.append("|---|---|---|")
+        for p in cell:
+            if p["frontier"]:
+                label = p["policy"] if p["ratio"] == 0 else f"{p['policy']} @ {p['ratio']:.2f}"
+                parts.append(f"| {label} | {p['bytes']:.1%} | {p['score']:.1f} |")
+        parts.append("")
+    return "\n".join(parts)
+
+
+def plot_accuracy_per_byte(summary: list[dict], path, mode: str) -> None:
+    """Average score vs bytes held (fraction of the full cache), one point per config, the frontier drawn."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = [p for p in accuracy_per_byte(summary) if p["mode"] == mode]
+    lengths = sorted({p["length"] for p in points}, key=lambda x: (x is None, x))
+    fig, axes = plt.subplots(1, len(lengths), figsize=(6.5 * len(lengths), 4.6), squeeze=False)
+    families = sorted({p["policy"].split(":")[0] for p in points})
+    markers = "osD^vP*Xh<>p"
+    for ax, length in zip(axes.flat, lengths):
+        cell = [p for p in points if p["length"] == length]
+        for i, family in enumerate(families):
+            pts = [p for p in cell if p["policy"].split(":")[0] == family]
+            if pts:
+                ax.scatter([100 * p["bytes"] for p in pts], [p["score"] for p in pts], s=22, label=family,
+                           marker=markers[i % len(markers)], color="black" if family == "none" else f"C{i % 10}")
+        front = sorted((p for p in cell if p["frontier"]), key=lambda p: p["bytes"])
+        ax.step([100 * p["bytes"] for p in front], [p["score"] for p in front], where="post", color="grey",
+                linewidth=1, alpha=0.7)
+        for p in front:
+            label = p["policy"] if p["ratio"] == 0 else f"{p['policy']} {p['ratio']:.2f}"
+            ax.annotate(label, (100 * p["bytes"], p["score"]), fontsize=6, xytext=(3, 3), textcoords="offset points")
+        for budget in BYTE_BUDGETS:
+            ax.axvline(100 * budget, color="grey", linestyle=":", linewidth=0.8)
+        ax.set_xscale("log")
+        ax.set_xticks([2, 5, 10, 25, 50, 100], ["2%", "5%", "10%", "25%", "50%", "100%"])
+        ax.set_xlabel("bytes held after prefill (% of the full cache, log scale)", fontsize=8)
+        ax.set_ylabel("average score", fontsize=8)
+        ax.set_title(f"{mode}, {length} tokens", fontsize=9)
+        ax.tick_params(labelsize=7)
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(8, len(labels)), fontsize=7, frameon=False)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def plot_accuracy(summary: list[dict], path, mode: str) -> None:
@@ -131,11 +238,15 @@ def write_all(out_dir) -> list[Path]:
     summary = summarize(rows)
     written = [out_dir / "summary.csv", out_dir / "summary.md"]
     write_csv(summary, written[0])
-    _atomic(written[1], lambda f: f.write(markdown(summary)))
+    _atomic(written[1], lambda f: f.write(markdown(summary) + "\n" + frontier_markdown(summary)))
     for mode in sorted({s["mode"] for s in summary}):
         path = out_dir / f"accuracy_vs_ratio_{mode}.png"
         plot_accuracy(summary, path, mode)
         written.append(path)
+        if any(s["policy"] == "none" for s in summary if s["mode"] == mode):
+            path = out_dir / f"accuracy_vs_bytes_{mode}.png"
+            plot_accuracy_per_byte(summary, path, mode)
+            written.append(path)
         needle_rows = [r for r in rows if r["task"] == "needle" and r["mode"] == mode]
         if needle_rows:
             from .needle import heatmap

@@ -8,7 +8,21 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import kvpress
 from evals.engine import Rows, answer, configs_for, decode_batches, prefill
 
-POLICIES = ["none", "snapkv", "knorm", "random", "h2o", "tova", "streaming_llm", "kivi", "snapkv+kivi"]
+POLICIES = ["none", "snapkv", "knorm", "random", "h2o", "tova", "streaming_llm", "kivi", "snapkv+kivi", "kvzip",
+            "kvzip:budget_allocation=uniform", "expected_attention", "keydiff", "kvzip+kivi"]
+
+
+class _CharTokenizer:  # tiny models have no tokenizer: kvzip's replay prompt comes from this one
+    chat_template = None
+
+    def encode(self, text, add_special_tokens=False):
+        return [3 + ord(c) % 120 for c in text]
+
+
+@pytest.fixture(autouse=True)
+def _kvzip_tokenizer(monkeypatch):
+    from kvpress.policies import kvzip
+    monkeypatch.setattr(kvzip, "_load_tokenizer", lambda model: _CharTokenizer())
 
 
 def _model(kv_heads: int = 1):
@@ -37,7 +51,7 @@ def _alone(model, config, ids, question, n):
 
 @pytest.mark.parametrize("mode", ["query_aware", "query_agnostic"])
 def test_each_config_matches_its_own_patched_generate(mode):
-    model = _model()
+    model = _model(kv_heads=2)  # two KV heads, so that KVzip's global budget gives heads different counts
     torch.manual_seed(1)
     ids = torch.randint(3, 128, (1, 230))
     question = None if mode == "query_aware" else torch.randint(3, 128, (1, 9))
@@ -46,9 +60,11 @@ def test_each_config_matches_its_own_patched_generate(mode):
     batches = decode_batches(pre, configs)
     # prefill-only policies ride together under "none", decode-time evictors under Rows, low-bit ones alone
     kinds = {(type(policy).__name__, tuple(sorted({c.policy for c in batch}))) for batch, policy in batches}
-    assert ("NoCompression", ("knorm", "none", "random", "snapkv")) in kinds
+    assert ("NoCompression", ("expected_attention", "keydiff", "knorm", "kvzip:budget_allocation=uniform", "none",
+                              "random", "snapkv")) in kinds
+    assert ("NoCompression", ("kvzip",)) in kinds  # flat per-head runs: a batch of their own
     assert ("Rows", ("h2o", "streaming_llm", "tova")) in kinds
-    assert sum(1 for batch, _ in batches if len(batch) == 1 and "kivi" in batch[0].policy) == 2
+    assert sum(1 for batch, _ in batches if len(batch) == 1 and "kivi" in batch[0].policy) == 3
     for batch, policy in batches:
         tokens, _ = answer(model, pre, batch, policy, question, 8, set())
         for config, got in zip(batch, tokens):

@@ -86,15 +86,26 @@ class KVPressCache(Cache):
         out.prefilling = False
         return out
 
-    def _snapshot(self) -> list:
-        """Every layer's state, to put back with _restore (in place: the layer objects stay the same). Tensors are
-        shared, not copied: layers replace them on update and never write into them (see KVPressLayer.fork)."""
-        return [layer.fork() if isinstance(layer, KVPressLayer) else copy.copy(layer) for layer in self.layers]
+    def _checkpoint(self, room: int = 0) -> list:
+        """Every layer's state, to put back with _restore (in place: the layer objects stay the same), after
+        reserving `room` slots in kvpress layers so that many appended tokens are written in place (no copy of
+        the cache). Tensors are shared, not copied: stock layers replace theirs on update."""
+        out = []
+        for layer in self.layers:
+            if isinstance(layer, KVPressLayer):
+                layer.reserve(room)
+                out.append(layer.checkpoint())
+            else:
+                out.append(dict(layer.__dict__))
+        return out
 
-    def _restore(self, snapshot: list) -> None:
-        for layer, saved in zip(self.layers, snapshot):
-            layer.__dict__.clear()
-            layer.__dict__.update(saved.__dict__)
+    def _restore(self, checkpoint: list) -> None:
+        for layer, state in zip(self.layers, checkpoint):
+            if isinstance(layer, KVPressLayer):
+                layer.restore(state)
+            else:
+                layer.__dict__.clear()
+                layer.__dict__.update(state)
 
     @classmethod
     def stack(cls, caches: list["KVPressCache"]) -> "KVPressCache":

@@ -70,6 +70,21 @@ class KVPressLayer(CacheLayerMixin):
         self.seen = 0
         self.last_q_len = 0
 
+    def reserve(self, n: int) -> None:
+        """Spare room for n more tokens in the tail, so appending them writes in place (a probe's tokens)."""
+        if self.is_initialized:
+            tail = self.tail
+            self.segments[-1] = dataclasses.replace(tail, data=tail.data.reserve(n))
+
+    def checkpoint(self) -> dict:
+        """This layer's state, to put back with restore(). Shares every tensor and keeps the tail's right to append
+        in place: what is appended after the checkpoint is written past the slots the checkpoint covers."""
+        return {**self.__dict__, "segments": list(self.segments), "stats": dict(self.stats), "aux": {}}
+
+    def restore(self, state: dict) -> None:
+        self.__dict__.clear()
+        self.__dict__.update(state)
+
     def fork(self) -> "KVPressLayer":
         """A copy that shares every tensor (no copy of the storage): segments are values, and neither copy appends
         into the tail's buffer in place any more, so the other never sees a write."""

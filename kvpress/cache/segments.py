@@ -63,6 +63,13 @@ class FullPrecision:
             room = tuple(_grown(old, new, capacity) for old, new in ((self.keys, keys), (self.values, values)))
         return FullPrecision(room[0][:, :, :need], room[1][:, :, :need], room)
 
+    def reserve(self, n: int) -> "FullPrecision":
+        """Room for n more slots, in an owned buffer (grown once, exactly, if needed)."""
+        if self.room is not None and self.room[0].shape[2] >= self.num_slots + n:
+            return self
+        room = tuple(_grown(t, t[:, :, :0], self.num_slots + n) for t in (self.keys, self.values))
+        return FullPrecision(room[0][:, :, :self.num_slots], room[1][:, :, :self.num_slots], room)
+
     def truncate(self, n: int) -> "FullPrecision":
         """The first n slots. In an owned buffer the view just shrinks (the rest becomes spare room); anything
         else is cloned: a view would keep the whole old tensor alive and nbytes() would under-report it."""

@@ -204,7 +204,7 @@ class Patch:
         """Run `input_ids` [B, n] over the cache (attending to everything it holds), calling `on_layer(ctx)` in every
         kvpress layer after attention; then put every layer back exactly as it was (nothing the probe appended
         stays; seen and positions are untouched)."""
-        saved = cache._snapshot()
+        saved = cache._checkpoint(room=input_ids.shape[1])
         mask = cache._token_mask
         cache.probe = on_layer
         try:

@@ -155,14 +155,14 @@ class KVzip(ScorerPolicy):
         width = int(count.max())
         order = (~chosen).long().argsort(dim=-1, stable=True)[..., :width]  # chosen slots, in slot order
         ok = torch.arange(width, device=order.device) < count[..., None]
-        keys = _gather_rows(layer.keys_view(), order).float()
+        keys = _gather_rows(layer.keys_view(), order)  # logits in the model's dtype (as the reference); softmax fp32
         key_pos = positions.gather(-1, order)
         is_chunk = in_chunk.gather(-1, order) & ok
 
         batch, hq, rows, dim = ctx.query.shape
         hkv = layer.num_kv_heads
         group = hq // hkv
-        q = ctx.query.reshape(batch, hkv, group, rows, dim).float() * ctx.scaling
+        q = ctx.query.reshape(batch, hkv, group, rows, dim) * ctx.scaling
         query_pos = ctx.query_positions()
         query_real = valid[:, 0, -rows:]  # the replay's own padding never votes
         weight = None
@@ -174,22 +174,27 @@ class KVzip(ScorerPolicy):
             value_norm = torch.einsum("bhkd,hgde,bhke->bhgk", values, gram, values).clamp(min=0).sqrt()
             hidden_norm = ctx.hidden_states.float().norm(dim=-1)  # [B, rows]
             weight = (value_norm, hidden_norm)
-        best = torch.zeros(batch, hkv, width, device=keys.device)
+        # Chosen slots are in slot order: the prompt's (sinks, chunk) first, then the replay's. A block of replay
+        # rows reads the prompt's and the replay keys up to its last row (causal): the rest is never computed.
+        n_prompt = int((key_pos < seen).sum(-1).max())
+        best = torch.zeros(batch, hkv, n_prompt, device=keys.device)
         step = max(1, _ROW_BLOCK_ELEMENTS // max(1, batch * hq * width))
         for start in range(0, rows, step):
             end = min(rows, start + step)
-            logits = torch.einsum("bhgrd,bhkd->bhgrk", q[:, :, :, start:end], keys)
+            reach = int((key_pos <= query_pos[end - 1]).sum(-1).max())
+            logits = torch.einsum("bhgrd,bhkd->bhgrk", q[:, :, :, start:end], keys[:, :, :reach]).float()
             if ctx.softcap is not None:
                 logits = torch.tanh(logits / ctx.softcap) * ctx.softcap
-            allowed = ok[:, :, None, :] & (key_pos[:, :, None, :] <= query_pos[start:end, None])
+            allowed = ok[:, :, None, :reach] & (key_pos[:, :, None, :reach] <= query_pos[start:end, None])
             logits.masked_fill_(~allowed[:, :, None], -math.inf)
-            probs = logits.softmax(-1)
+            exp = logits.sub_(logits.amax(-1, keepdim=True)).exp_()  # softmax over the restricted set, in place
+            probs = exp[..., :n_prompt] / exp.sum(-1, keepdim=True)  # only the prompt's columns are ever scored
             if weight is not None:
-                probs = probs * weight[0][:, :, :, None] / weight[1][:, None, None, start:end, None]
+                probs = probs * weight[0][:, :, :, None, :n_prompt] / weight[1][:, None, None, start:end, None]
             probs.masked_fill_(~query_real[:, None, None, start:end, None], 0.0)
             best = torch.maximum(best, probs.amax(dim=(2, 3)))
         out = torch.zeros(batch, hkv, positions.shape[-1], device=keys.device)
-        out.scatter_(-1, order, torch.where(is_chunk, best, 0.0))
+        out.scatter_(-1, order[..., :n_prompt], torch.where(is_chunk[..., :n_prompt], best, 0.0))
         return out.masked_fill(sinks, math.inf)
 
     def evict(self, run: ModelPass, scores: dict) -> None:
