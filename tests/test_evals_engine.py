@@ -131,3 +131,18 @@ def test_rows_that_stop_leave_the_batch_and_the_others_go_on_unchanged():
     assert {len(cut[c]) for c in configs} != {10} and 10 in {len(cut[c]) for c in configs}
     for config, got in zip(batch, tokens):
         assert got == cut[config], config
+
+
+def test_flat_configs_stacked_as_rows_decode_like_each_alone():
+    """Several flat-layout configs (per-head budgets) in one batch: their runs are concatenated, not padded."""
+    model = _model(kv_heads=2)
+    ids = torch.randint(3, 128, (1, 200), generator=torch.Generator().manual_seed(4))
+    configs = configs_for(["kvzip", "snapkv:budget_allocation=adaptive:window_size=8"], [0.4, 0.7])
+    pre = prefill(model, ids, configs)
+    batches = decode_batches(pre, configs)
+    assert [len(batch) for batch, _ in batches] == [4]
+    for batch, policy in batches:
+        for mode_question in (None, torch.randint(3, 128, (1, 9), generator=torch.Generator().manual_seed(5))):
+            tokens, _ = answer(model, pre, batch, policy, mode_question, 6, set())
+            for config, got in zip(batch, tokens):
+                assert got == _alone(model, config, ids, mode_question, 6), config

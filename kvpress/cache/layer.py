@@ -31,7 +31,9 @@ class Read:
 
 class KVPressLayer(CacheLayerMixin):
     """Keys/values of one attention layer, stored per KV head (never repeated for GQA), as an ordered list of
-    storage segments (segments.py), oldest slots first, every head's slots sorted by original position:
+    storage segments (segments.py), oldest slots first, every head's slots sorted by original position (except
+    after `replace_newest`, a decode-time eviction in place: then `sorted` is False until a keep() sorts again;
+    what depends on order (crop, low-bit flushes) sorts first, and policies rank slots by position):
 
       [low-bit codes]?  [flat full precision]?  tail
     tail      rectangular full precision [B, Hkv, T, D]: where new tokens are appended (in place, with spare room,
@@ -63,6 +65,7 @@ class KVPressLayer(CacheLayerMixin):
         self.is_initialized = False
         self.segments: list[Segment] = []
         self.compacted = False  # a token was evicted: every segment holds explicit positions
+        self.sorted = True  # every head's slots follow original position order (false after in-place eviction)
         self.row_budget: torch.Tensor | None = None
         self.decode_start = 0
         self.aux: dict = {}
@@ -154,6 +157,7 @@ class KVPressLayer(CacheLayerMixin):
         new_seen = self.seen + tokens_to_remove if tokens_to_remove < 0 else tokens_to_remove
         if not 0 <= new_seen <= self.seen:
             raise ValueError(f"crop(tokens_to_remove={tokens_to_remove}) is out of range for {self.seen} seen tokens")
+        self.sort()
         # Slots are sorted by position in every head, so the tail to drop is a suffix, of equal length in every
         # head only if the rolled-back tokens were all still stored: require that.
         n_drop = (self.key_positions() >= new_seen).sum(-1)
@@ -298,7 +302,11 @@ class KVPressLayer(CacheLayerMixin):
         batch, heads = self._shape()
         if indices.dim() != 3 or indices.shape[:2] != (batch, heads):
             raise ValueError(f"keep: indices must be [B={batch}, Hkv={heads}, T'], got {tuple(indices.shape)}")
-        indices, order = indices.sort(dim=-1)  # keep slots sorted by position
+        if self.sorted:
+            indices, order = indices.sort(dim=-1)  # slot order is position order
+        else:  # one rectangle whose slots were replaced in place: put them back in position order
+            order = self.key_positions().gather(-1, indices).argsort(dim=-1)
+            indices = indices.gather(-1, order)
         if keep_valid is not None:
             keep_valid = keep_valid.gather(-1, order)
         parts = self._split(indices, keep_valid)
@@ -326,6 +334,7 @@ class KVPressLayer(CacheLayerMixin):
             kept.append(segment.keep(idx, ok, offset))
         self.segments = kept
         self.compacted = True
+        self.sorted = True
         self.aux = {}
 
     def _split(self, indices: torch.Tensor, keep_valid: torch.Tensor | None):
@@ -347,12 +356,56 @@ class KVPressLayer(CacheLayerMixin):
         return out
 
     def _empty_tail(self, like: Segment) -> Segment:
-        batch, heads = self._shape()
-        keys, values = self.tail.data.keys, self.tail.data.values
+        """An empty rectangular tail for a layer whose tokens now live in the flat segment `like`."""
+        batch, heads = like.lengths.shape
+        keys, values = like.data.keys, like.data.values
         return Segment(FullPrecision(keys.new_empty(batch, heads, 0, keys.shape[-1]),
                                      values.new_empty(batch, heads, 0, values.shape[-1])),
                        torch.zeros(batch, heads, 0, dtype=torch.int32, device=self.device), None,
                        {n: torch.zeros(batch, heads, 0, device=self.device) for n in like.state})
+
+    def sort(self) -> None:
+        """Put every head's slots back in position order (one copy), if an in-place eviction mixed them."""
+        if not self.sorted:
+            valid = self.key_valid()
+            order = self.key_positions().argsort(dim=-1)
+            self.keep(order, valid.gather(-1, order))
+
+    def replace_newest(self, victims: torch.Tensor) -> bool:
+        """Evict one slot per (row, KV head) without copying the layer: the newest slot (the tail's last, just
+        appended) is written into `victims` [B, Hkv] (a victim that is the newest slot itself is simply dropped),
+        and the tail shrinks by one. Slots then no longer follow position order. Returns False, changing nothing,
+        when the storage cannot do it in place (several segments, or a buffer this layer does not own)."""
+        if len(self.segments) != 1 or self.tail.flat or self.tail.data.room is None or self.tail.num_slots < 2:
+            return False
+        tail = self.tail
+        batch, heads = self._shape()
+        last = tail.num_slots - 1
+        rows = torch.arange(batch, device=victims.device)[:, None]
+        cols = torch.arange(heads, device=victims.device)[None, :]
+        moves = victims < last
+        target = victims.clamp(max=last - 1)
+
+        def moved(tensor: torch.Tensor) -> torch.Tensor:
+            """A copy of a per-slot tensor [B, H, T(, ...)] without its last slot, which went to the victims."""
+            out = tensor[:, :, :last].clone()
+            newest = tensor[:, :, last]
+            mask = moves.view(*moves.shape, *([1] * (newest.dim() - 2)))
+            out[rows, cols, target] = torch.where(mask, newest, out[rows, cols, target])
+            return out
+
+        for buffer in (tail.data.keys, tail.data.values):  # in place, in the layer's own buffer
+            newest = buffer[:, :, last]
+            buffer[rows, cols, target] = torch.where(moves[..., None], newest, buffer[rows, cols, target])
+        positions = tail.view_positions(0, batch, heads, self.device)
+        # a layer that evicts in place needs one spare slot for the next token: the growth room of appends goes
+        # (one copy, the first time), so the bytes held stay at budget + 1 slot
+        self.segments[-1] = Segment(tail.data.truncate(last).trim(1), moved(positions),
+                                    None if tail.valid is None else moved(tail.valid),
+                                    {name: moved(s) for name, s in tail.state.items()})
+        self.compacted, self.sorted = True, False
+        self.aux = {}
+        return True
 
     def to_rectangular(self) -> None:
         """Pad a flat layer back into one rectangle (invalid filler slots), for readers that index a rectangle
@@ -371,6 +424,7 @@ class KVPressLayer(CacheLayerMixin):
         """Move the oldest full-precision slots into low-bit codes via `encode(keys, values, valid)` (rectangular
         [B, Hkv, n, D], n a multiple of `group`), keeping at least `residual` newest slots in full precision
         (per head in a flat layer). Returns nothing; the low-bit segment grows."""
+        self.sort()  # "oldest" is by position
         if self.is_flat:
             self._flush_flat(residual, group, encode)
             return
@@ -540,6 +594,7 @@ class KVPressLayer(CacheLayerMixin):
         out.is_initialized, out.dtype, out.device = True, first.dtype, first.device
         out.seen, out.last_q_len = first.seen, first.last_q_len
         out.compacted = True
+        out.sorted = all(l.sorted for l in layers)
         names = sorted({n for l in layers for s in l.segments for n in s.state})
         if any(l.is_flat for l in layers):
             flats = [l._flat_full_precision(names) for l in layers]

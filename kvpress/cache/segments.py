@@ -70,6 +70,12 @@ class FullPrecision:
         room = tuple(_grown(t, t[:, :, :0], self.num_slots + n) for t in (self.keys, self.values))
         return FullPrecision(room[0][:, :, :self.num_slots], room[1][:, :, :self.num_slots], room)
 
+    def trim(self, spare: int) -> "FullPrecision":
+        """The same slots in an owned buffer with exactly `spare` slots of room (a copy, if the room differs)."""
+        if self.room is not None and self.room[0].shape[2] == self.num_slots + spare:
+            return self
+        return self.reserve(spare) if self.room is None else FullPrecision(self.keys, self.values).reserve(spare)
+
     def truncate(self, n: int) -> "FullPrecision":
         """The first n slots. In an owned buffer the view just shrinks (the rest becomes spare room); anything
         else is cloned: a view would keep the whole old tensor alive and nbytes() would under-report it."""

@@ -187,15 +187,34 @@ class ModelPass:
 
 
 # ---------------------------------------------------------------------------- selection helpers
-def first_valid(valid: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
-    """Mask of the first `n` [B, Hkv] real slots of each row/head (slots are sorted by position)."""
-    return valid & (valid.cumsum(-1) <= n[..., None])
+def first_slots(layer, n: torch.Tensor, among: torch.Tensor | None = None) -> torch.Tensor:
+    """Mask [B, Hkv, T] of the `n` [B, Hkv] earliest (by original position) slots of each row/head among
+    `among` (default: the real slots)."""
+    return _by_position(layer, n, among, newest=False)
 
 
-def last_valid(valid: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
-    """Mask of the last `n` [B, Hkv] real slots of each row/head."""
-    from_end = valid.flip(-1).cumsum(-1).flip(-1)
-    return valid & (from_end <= n[..., None])
+def last_slots(layer, n: torch.Tensor, among: torch.Tensor | None = None) -> torch.Tensor:
+    """Mask [B, Hkv, T] of the `n` [B, Hkv] newest slots of each row/head among `among` (default: real slots)."""
+    return _by_position(layer, n, among, newest=True)
+
+
+def position_rank(layer, among: torch.Tensor | None = None, newest_first: bool = False) -> torch.Tensor:
+    """[B, Hkv, T] rank of each slot among its row/head's `among` slots (default: the real ones) by original
+    position, 0 = the oldest (the newest with newest_first); slots outside `among` rank after all of them."""
+    among = layer.key_valid() if among is None else among
+    if layer.sorted:  # slot order is position order: a running count says it
+        counts = among.flip(-1).cumsum(-1).flip(-1) if newest_first else among.cumsum(-1)
+        return torch.where(among, counts - 1, among.shape[-1])
+    # slots evicted in place no longer follow position order: rank them by position
+    positions = layer.key_positions().long()
+    far = torch.iinfo(torch.long).min if newest_first else torch.iinfo(torch.long).max
+    order = positions.masked_fill(~among, far).argsort(dim=-1, descending=newest_first, stable=True)
+    return order.argsort(-1)
+
+
+def _by_position(layer, n, among, newest):
+    among = layer.key_valid() if among is None else among
+    return among & (position_rank(layer, among, newest_first=newest) < n[..., None])
 
 
 def select_kept(
@@ -231,6 +250,22 @@ def evict_to_budget(layer, scores: torch.Tensor, budget: torch.Tensor, kept_firs
     if allocation == "adaptive":
         n_keep, scores = adaptive_head_budgets(scores, valid, n_keep, protected, head_floor)
         protected = None  # folded into the priorities
+    keep_best(layer, scores, valid, n_keep, protected)
+
+
+def keep_best(layer, scores: torch.Tensor, valid: torch.Tensor, n_keep: torch.Tensor,
+              protected: torch.Tensor | None = None) -> None:
+    """Keep the best `n_keep` [B, Hkv] real slots of each row/head, protected ones first (select_kept). When every
+    head has exactly one slot too many (a decode step of a policy that holds its budget), the one it drops is
+    evicted in place (layer.replace_newest: the new token takes its slot), not by copying the layer."""
+    if bool(((valid.sum(-1) - n_keep) == 1).all()):
+        s = scores.float().masked_fill(~valid, math.inf)
+        if protected is not None:
+            s = s.masked_fill(protected & valid, math.inf)
+        # the lowest score; among ties the latest slot, the one select_kept's stable sort would drop
+        victims = s.shape[-1] - 1 - s.flip(-1).argmin(-1)
+        if layer.replace_newest(victims):
+            return
     layer.keep(*select_kept(scores, valid, n_keep, protected))
 
 
@@ -419,9 +454,9 @@ class ScorerPolicy(BudgetPolicy):
         if not bool((n_generated > self.decode_budget).any()):
             return
         budget = torch.minimum(n_generated, torch.full_like(n_generated, self.decode_budget))
-        recent = last_valid(generated, budget - budget // 2)
+        recent = last_slots(layer, budget - budget // 2, among=generated)
         prompt = valid & ~generated
-        layer.keep(*select_kept(self.score(ctx), valid, prompt.sum(-1) + budget, prompt | recent))
+        keep_best(layer, self.score(ctx), valid, prompt.sum(-1) + budget, prompt | recent)
 
 
 def chunk_share(layer, prompt_tokens: torch.Tensor, prompt_length: int, q_len: int):

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ..positions import apply_rotary, rotate_half
-from .base import Context, Needs, ScorerPolicy, first_valid
+from .base import Context, Needs, ScorerPolicy, first_slots
 from .registry import register
 
 _COUNT, _REAL, _SUM, _OUTER = "ea_count", "ea_real_seen", "ea_query_sum", "ea_query_outer"
@@ -97,7 +97,7 @@ class ExpectedAttention(ScorerPolicy):
         return probs
 
     def protected(self, ctx: Context, n_keep: torch.Tensor):
-        return first_valid(ctx.layer.key_valid(), torch.clamp(n_keep, max=self.n_sink))
+        return first_slots(ctx.layer, torch.clamp(n_keep, max=self.n_sink))
 
 
 def _rotation_matrix(cos: torch.Tensor, sin: torch.Tensor, dim: int) -> torch.Tensor:

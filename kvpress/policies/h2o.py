@@ -3,7 +3,7 @@ from typing import ClassVar
 
 import torch
 
-from .base import Context, ScorerPolicy, last_valid
+from .base import Context, ScorerPolicy, last_slots
 from .registry import register
 
 _STATE = "h2o_accumulated_attention"
@@ -41,4 +41,4 @@ class H2O(ScorerPolicy):
 
     def protected(self, ctx: Context, n_keep: torch.Tensor):
         recent = n_keep // 2 if self.recent is None else torch.full_like(n_keep, self.recent)
-        return last_valid(ctx.layer.key_valid(), torch.minimum(recent, n_keep))
+        return last_slots(ctx.layer, torch.minimum(recent, n_keep))

@@ -30,7 +30,7 @@ from typing import ClassVar
 import torch
 
 from .allocation import global_budgets
-from .base import Context, ModelPass, Needs, ScorerPolicy, chunk_share, evict_to_budget, first_valid, select_kept
+from .base import Context, ModelPass, Needs, ScorerPolicy, chunk_share, evict_to_budget, first_slots, select_kept
 from .registry import register
 
 _ROW_BLOCK_ELEMENTS = 1 << 22  # fp32 logits per block of replay rows (16 MB)
@@ -147,7 +147,7 @@ class KVzip(ScorerPolicy):
         positions = layer.key_positions().long()
         valid = layer.key_valid()
         prompt = valid & (positions < seen)
-        sinks = first_valid(prompt, torch.full(prompt.shape[:2], self.n_sink, device=prompt.device))
+        sinks = first_slots(layer, torch.full(prompt.shape[:2], self.n_sink, device=prompt.device), among=prompt)
         in_chunk = prompt & (positions >= chunk[:, 0, None, None]) & (positions < chunk[:, 1, None, None])
         replay = valid & (positions >= seen)
         chosen = sinks | in_chunk | replay

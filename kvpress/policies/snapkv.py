@@ -3,7 +3,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .base import Context, ScorerPolicy, last_valid
+from .base import Context, ScorerPolicy, last_slots
 from .registry import register
 
 
@@ -48,7 +48,7 @@ class SnapKV(ScorerPolicy):
     def _window(self, ctx: Context, n_keep: torch.Tensor | None = None) -> torch.Tensor:
         valid = ctx.layer.key_valid()
         n = torch.full(valid.shape[:2], min(self.window_size, ctx.q_len), device=valid.device)
-        return last_valid(valid, n if n_keep is None else torch.minimum(n, n_keep))
+        return last_slots(ctx.layer, n if n_keep is None else torch.minimum(n, n_keep), among=valid)
 
     def score(self, ctx: Context):
         window = min(self.window_size, ctx.q_len)

@@ -4,7 +4,7 @@ from typing import ClassVar
 import torch
 
 from ..positions import rotate_keys
-from .base import Context, Needs, ScorerPolicy, first_valid
+from .base import Context, Needs, ScorerPolicy, first_slots, position_rank
 from .registry import register
 
 
@@ -47,7 +47,7 @@ class StreamingLLM(ScorerPolicy):
         return ctx.layer.key_positions().float()  # newest first, after the protected sinks
 
     def protected(self, ctx: Context, n_keep: torch.Tensor):
-        return first_valid(ctx.layer.key_valid(), torch.clamp(n_keep - 1, max=self.n_sink).clamp(min=0))
+        return first_slots(ctx.layer, torch.clamp(n_keep - 1, max=self.n_sink).clamp(min=0))
 
     def needs(self) -> Needs:
         return Needs(rotary=self.cache_local_positions)
@@ -78,7 +78,7 @@ class StreamingLLM(ScorerPolicy):
         # Slot of rank r among a row's n real slots moves to position (newest position) - (n - 1 - r).
         valid = ctx.layer.key_valid()
         positions = ctx.layer.key_positions().long()
-        rank = valid.cumsum(-1) - 1
+        rank = position_rank(ctx.layer, valid)
         n_valid = valid.sum(-1, keepdim=True)
         newest = positions.masked_fill(~valid, -1).amax(-1, keepdim=True)
         delta = (newest - (n_valid - 1 - rank)) - positions
