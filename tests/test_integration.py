@@ -100,7 +100,8 @@ def test_h2o_holds_its_budget_for_200_tokens():
     for step in record:
         for seen, positions, kept in step:
             assert positions.shape[-1] == 32 and (kept == 32).all()
-            assert (positions[..., -8:] == torch.arange(seen - 8, seen)).all()  # recent window always kept
+            newest = positions.sort(-1).values[..., -8:]  # slots evicted in place leave position order
+            assert (newest == torch.arange(seen - 8, seen)).all()  # recent window always kept
 
 
 def test_tova_holds_its_budget_while_decoding():
@@ -123,7 +124,7 @@ def test_streaming_llm_holds_sinks_and_window():
     for step in record:
         for seen, positions, _ in step:
             expected = torch.cat([torch.arange(4), torch.arange(seen - 16, seen)])
-            assert (positions == expected).all()
+            assert (positions.sort(-1).values == expected).all()
 
 
 def test_explicit_cache_and_multi_turn_reuse_match_dynamic_cache():

@@ -27,6 +27,7 @@ class Read:
     select: Callable | None = None  # () -> Selection of view slots to read (a read view); asked once the layer
     #                                 is rectangular
     precision: int | None = None  # bits to read low-bit codes with (None: all of them)
+    probabilities: bool = False  # also return the attention probabilities [B, Hq, q, T] (a rectangular layer)
 
 
 class KVPressLayer(CacheLayerMixin):
@@ -158,16 +159,24 @@ class KVPressLayer(CacheLayerMixin):
         if not 0 <= new_seen <= self.seen:
             raise ValueError(f"crop(tokens_to_remove={tokens_to_remove}) is out of range for {self.seen} seen tokens")
         self.sort()
-        # Slots are sorted by position in every head, so the tail to drop is a suffix, of equal length in every
-        # head only if the rolled-back tokens were all still stored: require that.
-        n_drop = (self.key_positions() >= new_seen).sum(-1)
+        # The rolled-back tokens must all still be stored (the same count in every head: rectangular storage), and
+        # in the full-precision tail. Slots are sorted, so they are normally the tail's last slots: cut them; a
+        # filler slot among them (a copy kept to stay rectangular) makes it a keep() of the rest instead.
+        positions, valid = self.key_positions(), self.key_valid()
+        drop = valid & (positions >= new_seen)
+        n_drop = drop.sum(-1)
         if bool((n_drop != n_drop.flatten()[0]).any()):
             raise RuntimeError("crop: the rolled-back tokens were partly evicted; only an unevicted tail can be cropped")
-        keep = self.tail.num_slots - int(n_drop.flatten()[0])
-        if keep < 0:
+        n = int(n_drop.flatten()[0])
+        if n > self.tail.num_slots or bool(drop[..., :self.stored - self.tail.num_slots].any()):
             raise RuntimeError("crop: the rolled-back tokens reach into the quantized or ragged segment; only the "
                                "full-precision tail can be rolled back")
-        self.segments[-1] = self.tail.truncate(keep)
+        if n and bool(drop[..., -n:].all()):
+            self.segments[-1] = self.tail.truncate(self.tail.num_slots - n)
+        elif n:
+            width = self.stored - n
+            order = drop.long().argsort(dim=-1, stable=True)[..., :width]  # every other slot, in slot order
+            self.keep(order, valid.gather(-1, order))
         for derived in self.aux.values():
             derived.truncate(self.stored)
         self.seen = new_seen
@@ -245,13 +254,12 @@ class KVPressLayer(CacheLayerMixin):
     def key_positions(self) -> torch.Tensor:
         """int32 [B, Hkv, T]: original position of every slot of the padded view (fillers sit at 0)."""
         batch, heads = self._shape()
-        return torch.cat([s.view_positions(o, batch, heads, self.device)
-                          for s, o in zip(self.segments, self._offsets())], -1)
+        return _joined([s.view_positions(o, batch, heads, self.device) for s, o in zip(self.segments, self._offsets())])
 
     def key_valid(self) -> torch.Tensor:
         """[B, Hkv, T] which slots of the padded view hold real tokens."""
         batch, heads = self._shape()
-        return torch.cat([s.view_valid(batch, heads, self.device) for s in self.segments], -1)
+        return _joined([s.view_valid(batch, heads, self.device) for s in self.segments])
 
     def key_valid_or_none(self) -> torch.Tensor | None:
         """key_valid(), or None when every slot of the view is a real token (masks can skip the check)."""
@@ -281,7 +289,7 @@ class KVPressLayer(CacheLayerMixin):
         if not any(name in s.state for s in self.segments):
             return None
         batch, heads = self._shape()
-        return torch.cat([s.view_state(name, batch, heads, self.device) for s in self.segments], -1)
+        return _joined([s.view_state(name, batch, heads, self.device) for s in self.segments])
 
     def set_state(self, name: str, state: torch.Tensor) -> None:
         """Store per-slot policy state given over the padded view [B, Hkv, T]."""
@@ -305,7 +313,7 @@ class KVPressLayer(CacheLayerMixin):
         if self.sorted:
             indices, order = indices.sort(dim=-1)  # slot order is position order
         else:  # one rectangle whose slots were replaced in place: put them back in position order
-            order = self.key_positions().gather(-1, indices).argsort(dim=-1)
+            order = self.key_positions().gather(-1, indices).argsort(dim=-1, stable=True)
             indices = indices.gather(-1, order)
         if keep_valid is not None:
             keep_valid = keep_valid.gather(-1, order)
@@ -368,7 +376,7 @@ class KVPressLayer(CacheLayerMixin):
         """Put every head's slots back in position order (one copy), if an in-place eviction mixed them."""
         if not self.sorted:
             valid = self.key_valid()
-            order = self.key_positions().argsort(dim=-1)
+            order = self.key_positions().argsort(dim=-1, stable=True)
             self.keep(order, valid.gather(-1, order))
 
     def replace_newest(self, victims: torch.Tensor) -> bool:
@@ -381,22 +389,20 @@ class KVPressLayer(CacheLayerMixin):
         tail = self.tail
         batch, heads = self._shape()
         last = tail.num_slots - 1
-        rows = torch.arange(batch, device=victims.device)[:, None]
-        cols = torch.arange(heads, device=victims.device)[None, :]
-        moves = victims < last
-        target = victims.clamp(max=last - 1)
+        # (row, head) pairs flattened: the newest slot is written onto the victim's, a no-op where they coincide
+        flat = torch.arange(batch * heads, device=victims.device)
+        target = victims.reshape(-1)
 
         def moved(tensor: torch.Tensor) -> torch.Tensor:
-            """A copy of a per-slot tensor [B, H, T(, ...)] without its last slot, which went to the victims."""
-            out = tensor[:, :, :last].clone()
-            newest = tensor[:, :, last]
-            mask = moves.view(*moves.shape, *([1] * (newest.dim() - 2)))
-            out[rows, cols, target] = torch.where(mask, newest, out[rows, cols, target])
-            return out
+            """A per-slot tensor [B, H, T(, ...)] with its newest slot moved to the victims and cut off."""
+            out = tensor.clone()
+            rows = out.view(batch * heads, tensor.shape[2], *tensor.shape[3:])
+            rows[flat, target] = rows[:, last].clone()
+            return out[:, :, :last].clone()
 
-        for buffer in (tail.data.keys, tail.data.values):  # in place, in the layer's own buffer
-            newest = buffer[:, :, last]
-            buffer[rows, cols, target] = torch.where(moves[..., None], newest, buffer[rows, cols, target])
+        for buffer in tail.data.room:  # keys, values: in place, in the layer's own buffer
+            rows = buffer.view(batch * heads, buffer.shape[2], buffer.shape[3])
+            rows[flat, target] = rows[:, last].clone()
         positions = tail.view_positions(0, batch, heads, self.device)
         # a layer that evicts in place needs one spare slot for the next token: the growth room of appends goes
         # (one copy, the first time), so the bytes held stay at budget + 1 slot
@@ -433,11 +439,12 @@ class KVPressLayer(CacheLayerMixin):
         if n <= 0:
             return
         tail = self.tail
+        # (slices are cloned: a view would keep the tail's whole tensor alive, and nbytes() would under-report it)
         moved = Segment(encode(tail.data.keys[:, :, :n], tail.data.values[:, :, :n],
                                tail.view_valid(*self._shape(), self.device)[..., :n]),
-                        None if tail.positions is None else tail.positions[..., :n],
-                        None if tail.valid is None else tail.valid[..., :n],
-                        {name: s[..., :n] for name, s in tail.state.items()})
+                        None if tail.positions is None else tail.positions[..., :n].clone(),
+                        None if tail.valid is None else tail.valid[..., :n].clone(),
+                        {name: s[..., :n].clone() for name, s in tail.state.items()})
         rest = Segment(FullPrecision(tail.data.keys[:, :, n:].clone(), tail.data.values[:, :, n:].clone()),
                        None if tail.positions is None else tail.positions[..., n:].clone(),
                        None if tail.valid is None else tail.valid[..., n:].clone(),
@@ -507,10 +514,32 @@ class KVPressLayer(CacheLayerMixin):
                                               segment.valid, state)
         return finish(state, queries)
 
-    def attend(self, read: Read, base) -> torch.Tensor:
-        """The read path of one attention call, [B, q_len, Hq, D] (transformers' layout). `base(query, keys,
-        values, mask)` runs the model's own attention implementation; mask None means transformers' mask (valid
-        only while slot j holds position j), else a boolean [B, Hq, q, T] mask."""
+    def attend(self, read: Read, base) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The read path of one attention call: (output [B, q_len, Hq, D] in transformers' layout, the attention
+        probabilities [B, Hq, q_len, T] fp32 when read.probabilities and the layer is one rectangle, else None).
+        `base(query, keys, values, mask)` runs the model's own attention implementation; mask None means
+        transformers' mask (valid only while slot j holds position j), else a boolean [B, Hq, q, T] mask."""
+        queries = read.queries
+        if read.probabilities and read.select is None and len(self.segments) == 1 and not self.tail.flat:
+            return self._attend_with_probs(queries, self.tail.data.keys if read.keys is None else read.keys)
+        return self._attend(read, base), None
+
+    def _attend_with_probs(self, queries: Queries, keys: torch.Tensor):
+        """Attention written out (logits, softmax, weighted values) so its probabilities come with it: what a policy
+        that scores by them (H2O, TOVA) reads, without a second pass over the keys."""
+        tail = self.tail
+        q = queries.grouped(self.num_kv_heads)
+        logits = torch.einsum("bhgrd,bhtd->bhgrt", q * queries.scaling, keys.float())
+        if queries.softcap is not None:
+            logits = torch.tanh(logits / queries.softcap) * queries.softcap
+        allowed = queries.allowed(self.key_positions(), tail.valid)
+        probs = logits.masked_fill_(~allowed[:, :, None], float("-inf")).softmax(-1)
+        out = torch.einsum("bhgrt,bhtd->bhgrd", probs, tail.data.values.float())
+        batch, hq, rows, dim = queries.values.shape
+        out = out.reshape(batch, hq, rows, -1).to(queries.values.dtype).transpose(1, 2).contiguous()
+        return out, probs.reshape(batch, hq, rows, -1)
+
+    def _attend(self, read: Read, base) -> torch.Tensor:
         queries = read.queries
         if read.select is not None and self.low_bit is None:
             self.to_rectangular()  # read views pick slots of a rectangle
@@ -625,6 +654,11 @@ class KVPressLayer(CacheLayerMixin):
         if len({l.decode_start for l in layers}) == 1:
             out.decode_start = first.decode_start
         return out
+
+
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Per-segment views joined along the slot axis (no copy for a layer of one segment)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts, -1)
 
 
 def segment_dtype(segment: Segment):

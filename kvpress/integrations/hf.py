@@ -84,6 +84,7 @@ def kvpress_attention(module, query, key, value, attention_mask, **kwargs):
         keys=policy.key_view(ctx) if policy.rewrites_keys else None,
         select=(lambda: Selection(*_selection(view, ctx))) if view is not None and view.selects else None,
         precision=None if view is None else view.read_precision,
+        probabilities=phase == "decode" and patch.needs.probabilities,
     )
 
     def base(q, keys, values, mask):
@@ -91,7 +92,8 @@ def kvpress_attention(module, query, key, value, attention_mask, **kwargs):
             return patch.base_attention(module, q, keys, values, attention_mask, **kwargs)[0]
         return patch.masked_attention(module, q, keys, values, mask, **kwargs)[0]
 
-    out = (layer.attend(read, base), None)
+    output, ctx.probs = layer.attend(read, base)
+    out = (output, None)
     # Attention above used the full, uncompressed view (prefill is exact); now the policy may evict.
     if phase == "probe":
         cache.probe(ctx)
@@ -121,7 +123,7 @@ class Patch:
         self.policy = policy
         self.base = base
         self.prefill_chunk_size = prefill_chunk_size
-        self._needs = policy.needs()
+        self.needs = policy.needs()
         text_config = model.config.get_text_config(decoder=True)
         # layers whose cache kvpress compresses (hybrid models' sliding-window layers keep their own cache):
         # layer-wise budgets (PyramidKV) are spread over these
@@ -160,7 +162,7 @@ class Patch:
         binding = _BINDINGS.get(module)
         if binding is not None:
             binding.cache = kwargs.get("past_key_values")
-            if self._needs.hidden_states:
+            if self.needs.hidden_states:
                 binding.hidden_states = args[0] if args else kwargs.get("hidden_states")
 
     def _before_forward(self, model, args, kwargs):
@@ -177,7 +179,7 @@ class Patch:
     def _after_prompt(self, cache: KVPressCache, args, kwargs) -> None:
         """After a prompt forward (or one chunk of a chunked prefill): the model-level hook, then the bytes held."""
         cache.prefilling = False
-        if self._needs.model_pass:
+        if self.needs.model_pass:
             self.policy.after_prefill(self.model_pass(cache, args, kwargs))
         cache.prefill_nbytes = cache.nbytes()
         cache.prefill_kv_nbytes = sum(row["kv_bytes"] for row in cache.stats())

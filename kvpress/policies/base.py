@@ -43,6 +43,9 @@ class Needs:
     rotary: bool = False  # the layer's RoPE at any position (Context.rotary): pre-RoPE queries, re-rotation
     hidden_states: bool = False  # the attention module's input hidden states (Context.hidden_states)
     model_pass: bool = False  # after_prefill(run), once the prompt (or a chunk of it) went through every layer
+    # attention probabilities of a decode step's query over every stored slot, from the attention pass itself
+    # (Context.attention_probs / attention_column_sums then cost nothing; other phases recompute them)
+    probabilities: bool = False
 
     def __or__(self, other: "Needs") -> "Needs":
         return Needs(*(a or b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
@@ -70,6 +73,7 @@ class Context:
     # Provided only to policies that declare the need (Needs):
     rotary: "Rotary | None" = None  # noqa: F821  kvpress.positions.Rotary of this layer
     hidden_states: torch.Tensor | None = None  # [B, q_len, hidden] the attention module's input
+    probs: torch.Tensor | None = None  # [B, Hq, q_len, T] fp32, when the attention pass computed them
 
     @property
     def keys(self) -> torch.Tensor:
@@ -119,12 +123,16 @@ class Context:
         """Softmax attention [B, Hq, r, T] (fp32) of the last `last` query rows over the stored slots, with the
         same causal / padding / sliding-window masking the model's attention used."""
         last = self.q_len if last is None else last
+        if self.probs is not None:
+            return self.probs[:, :, -last:]
         return attention_probs(self.key_logits, self.query[:, :, -last:], self.query_positions(last),
                                self.layer.key_positions(), self.layer.key_valid_or_none(), self.sliding_window)
 
     def attention_column_sums(self) -> torch.Tensor:
         """Attention received by each slot, summed over all query rows of this forward: [B, Hq, T] (fp32).
         Computed in query chunks, so a long prompt never materialises its full attention matrix."""
+        if self.probs is not None:  # a decode step: its one (real) query row's probabilities
+            return self.probs.sum(2)
         layer = self.layer
         fp32_keys = {}  # bf16/fp16 keys go to fp32 once here, not once per query block (a prompt has hundreds)
 
@@ -214,6 +222,12 @@ def position_rank(layer, among: torch.Tensor | None = None, newest_first: bool =
 
 def _by_position(layer, n, among, newest):
     among = layer.key_valid() if among is None else among
+    if not layer.sorted and n.numel() and bool((n == n.flatten()[0]).all()):
+        k = min(int(n.flatten()[0]), among.shape[-1])  # the same count everywhere: one top-k by position
+        far = torch.iinfo(torch.long).min if newest else torch.iinfo(torch.long).max
+        key = layer.key_positions().long().masked_fill(~among, far)
+        chosen = torch.zeros_like(among).scatter_(-1, key.topk(k, dim=-1, largest=newest).indices, True)
+        return among & chosen
     return among & (position_rank(layer, among, newest_first=newest) < n[..., None])
 
 

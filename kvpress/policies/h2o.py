@@ -3,7 +3,7 @@ from typing import ClassVar
 
 import torch
 
-from .base import Context, ScorerPolicy, last_slots
+from .base import Context, Needs, ScorerPolicy, last_slots
 from .registry import register
 
 _STATE = "h2o_accumulated_attention"
@@ -29,6 +29,9 @@ class H2O(ScorerPolicy):
             raise ValueError(
                 f"h2o: budget={self.budget} is smaller than recent={self.recent}; allowed values: budget >= recent"
             )
+
+    def needs(self) -> Needs:
+        return Needs(probabilities=True)
 
     def observe(self, ctx: Context) -> None:
         # Accumulate this forward's attention into the per-slot state the layer carries between steps.

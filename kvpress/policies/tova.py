@@ -1,7 +1,7 @@
 from dataclasses import dataclass
 from typing import ClassVar
 
-from .base import Context, ScorerPolicy
+from .base import Context, Needs, ScorerPolicy
 from .registry import register
 
 
@@ -13,6 +13,9 @@ class TOVA(ScorerPolicy):
 
     name = "tova"
     evicts_during_decode: ClassVar[bool] = True
+
+    def needs(self) -> Needs:
+        return Needs(probabilities=True)
 
     def score(self, ctx: Context):
         probs = ctx.attention_probs(last=1)[:, :, 0]  # [B, Hq, T]
