@@ -217,16 +217,24 @@ class LowBitCodes:
         """fp32 keys [B, H, end-start, D] of a block of slots (GEAR terms included)."""
         dim = self.head_dim
         codes = self._codes(self.k_codes[:, :, start:end], precision)
-        if self.k_group is None:  # slots in group order: expand the block's group scales
-            g = self.group_size
-            sl = slice(start // g, (end + g - 1) // g)
-            offset = start % g
-            scale = self.k_scale[:, :, sl].float().repeat_interleave(g, 2)[:, :, offset:offset + end - start]
-            low = self.k_min[:, :, sl].float().repeat_interleave(g, 2)[:, :, offset:offset + end - start]
+        g = self.group_size
+        if self.k_group is None and start % g == 0 and (end - start) % g == 0:
+            # whole groups in slot order: each group's scale/min broadcast over its g slots, no expanded copies
+            batch, heads, n, _ = codes.shape
+            grouped = codes.view(batch, heads, n // g, g, dim)
+            sl = slice(start // g, end // g)
+            k = grouped.mul_(self.k_scale[:, :, sl, None].float()).add_(self.k_min[:, :, sl, None].float())
+            k = k.view(batch, heads, n, dim)
         else:
-            groups = self.k_group[:, :, start:end].long()[..., None].expand(-1, -1, -1, dim)
-            scale, low = self.k_scale.float().gather(2, groups), self.k_min.float().gather(2, groups)
-        k = codes * scale + low
+            if self.k_group is None:  # a block that cuts a group: expand the block's group scales
+                sl = slice(start // g, (end + g - 1) // g)
+                offset = start % g
+                scale = self.k_scale[:, :, sl].float().repeat_interleave(g, 2)[:, :, offset:offset + end - start]
+                low = self.k_min[:, :, sl].float().repeat_interleave(g, 2)[:, :, offset:offset + end - start]
+            else:
+                groups = self.k_group[:, :, start:end].long()[..., None].expand(-1, -1, -1, dim)
+                scale, low = self.k_scale.float().gather(2, groups), self.k_min.float().gather(2, groups)
+            k = codes.mul_(scale).add_(low)
         if self.k_lr is not None:
             k = self._add_low_rank(k, start, end, self.k_lr, self.k_basis)
             # exact per-channel outliers of the slots in this block (the others go to a dummy column)
@@ -239,10 +247,13 @@ class LowBitCodes:
 
     def dequantize_values(self, start: int, end: int, precision: int | None = None) -> torch.Tensor:
         """fp32 values [B, H, end-start, D] of a block of slots (GEAR terms included)."""
-        per = self.head_dim // self.v_scale.shape[-1]
+        n_groups = self.v_scale.shape[-1]
         codes = self._codes(self.v_codes[:, :, start:end], precision)
-        v = codes * self.v_scale[:, :, start:end].float().repeat_interleave(per, -1) \
-            + self.v_min[:, :, start:end].float().repeat_interleave(per, -1)
+        batch, heads, n, dim = codes.shape
+        # each slot's per-channel-group scale/min broadcast over the group's channels
+        v = codes.view(batch, heads, n, n_groups, dim // n_groups)
+        v = v.mul_(self.v_scale[:, :, start:end, :, None].float()).add_(self.v_min[:, :, start:end, :, None].float())
+        v = v.view(batch, heads, n, dim)
         if self.v_lr is not None:
             v = self._add_low_rank(v, start, end, self.v_lr, self.v_basis)
             v = v.scatter(-1, self.v_out_idx[:, :, start:end].long(), self.v_out_val[:, :, start:end].float())

@@ -19,7 +19,7 @@ from .sparse_attention import Selection, sparse_attention_state_reference
 
 def lowbit_attention_state_reference(queries: Queries, codes: LowBitCodes, positions, valid=None,
                                      state: State | None = None, precision: int | None = None,
-                                     block: int = 1024) -> State:
+                                     block: int = 4096) -> State:
     """positions/valid [B, Hkv, T] of the codes' slots. precision=4 reads an 8-bit segment's upper nibbles only
     (the draft view of self-speculation)."""
     hkv = codes.k_codes.shape[1]
