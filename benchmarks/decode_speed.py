@@ -120,6 +120,16 @@ def long_run(model, ids, policy, budget, new_tokens, window=100) -> dict:
                 tok_s_per_window=[round(r, 2) for r in rates], bytes_per_window=sizes)
 
 
+def _spec(text: str) -> tuple[str, dict]:
+    """'kivi:bits=4:residual_length=32' -> ('kivi', {'bits': 4, 'residual_length': 32})."""
+    name, *pairs = text.split(":")
+    params = {}
+    for pair in pairs:
+        key, value = pair.split("=")
+        params[key] = int(value) if value.lstrip("-").isdigit() else float(value) if "." in value else value
+    return name, params
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2")
@@ -128,6 +138,7 @@ def main(argv=None):
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--policies", default="snapkv,h2o,tova,streaming_llm,knorm,expected_attention,keydiff")
     p.add_argument("--ratios", default="0.75,0.9")
+    p.add_argument("--codecs", default="", help="comma list of storage-only specs run once each, e.g. kivi:bits=4,gear")
     p.add_argument("--batch", type=int, default=1, help="rows; rows after the first are left-padded shorter prompts")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=1, help="runs per config; the fastest is kept")
@@ -159,6 +170,7 @@ def main(argv=None):
         run(model, warm, torch.ones_like(warm), "none", {}, 4, breakdown=False)
         configs = [("none", {})] + [(pol, dict(compression_ratio=r)) for pol in policies
                                     for r in map(float, args.ratios.split(","))]
+        configs += [_spec(x) for x in args.codecs.split(",") if x]
         full = None
         for policy, params in configs:
             best = max((run(model, ids, mask, policy, params, args.new_tokens) for _ in range(args.repeats)),

@@ -9,7 +9,8 @@ from kvpress import KVPressCache, KVPressLayer
 from kvpress.cache.codecs import encode_gear, encode_kivi, pack, unpack
 from kvpress.kernels import allowed_mask
 from kvpress.kernels.online_softmax import Queries, dense_attention_state, finish
-from kvpress.kernels.quant_attention import lowbit_attention_state_reference
+from kvpress.kernels.quant_attention import (codes_domain_attention_state, lowbit_attention_state,
+                                             lowbit_attention_state_reference)
 from kvpress.kernels.triton_quant import available as triton_available
 from kvpress.kernels.triton_quant import lowbit_attention_state_triton
 from kvpress.policies import H2O, KIVI
@@ -138,6 +139,15 @@ def test_low_bit_attention_equals_attention_over_dequantized_cache(case):
     ref = lowbit_then_residual(lambda queries: lowbit_attention_state_reference(
         queries, seg, pos[..., :seg.num_slots], valid[..., :seg.num_slots], block=24), q, rk, rv, pos, valid, qpos, window)
     torch.testing.assert_close(ref, expected, atol=1e-5, rtol=1e-5)
+    # the CPU path the dispatcher picks (codes domain for slot-ordered KIVI codes, the reference otherwise)
+    picked = lowbit_then_residual(lambda queries: lowbit_attention_state(
+        queries, seg, pos[..., :seg.num_slots], valid[..., :seg.num_slots], use_triton=False), q, rk, rv, pos, valid,
+        qpos, window)
+    torch.testing.assert_close(picked, expected, atol=1e-5, rtol=1e-5)
+    if not gathered:
+        codes_domain = lowbit_then_residual(lambda queries: codes_domain_attention_state(
+            queries, seg, pos[..., :seg.num_slots], valid[..., :seg.num_slots]), q, rk, rv, pos, valid, qpos, window)
+        torch.testing.assert_close(codes_domain, expected, atol=1e-5, rtol=1e-5)
     assert triton_available(), "Triton must run here (CUDA, or TRITON_INTERPRET=1 on CPU)"
     tri = lowbit_then_residual(lambda queries: lowbit_attention_state_triton(
         queries, seg, pos[..., :seg.num_slots], valid[..., :seg.num_slots], block_t=16, target_programs=4), q, rk, rv, pos, valid, qpos,

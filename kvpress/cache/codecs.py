@@ -263,9 +263,14 @@ class LowBitCodes:
         return self.dequantize_keys(start, end, precision), self.dequantize_values(start, end, precision)
 
     def _add_low_rank(self, x, start, end, lr, basis):
+        # each slot's row factor placed in its chunk's column block, then one matmul against every chunk's
+        # basis: no per-slot copy of a [D, r] basis
+        batch, heads, n_chunks, dim, rank = basis.shape
         chunk = self.chunk[:, :, start:end].long()
-        b = basis.float().gather(2, chunk[..., None, None].expand(-1, -1, -1, *basis.shape[3:]))  # [B,H,n,D,r]
-        return x + torch.einsum("bhnr,bhndr->bhnd", lr[:, :, start:end].float(), b)
+        rows = x.new_zeros(batch, heads, end - start, n_chunks, rank)
+        rows.scatter_(3, chunk[..., None, None].expand(-1, -1, -1, 1, rank), lr[:, :, start:end, None].float())
+        bases = basis.float().transpose(-1, -2).reshape(batch, heads, n_chunks * rank, dim)
+        return x + rows.view(batch, heads, end - start, n_chunks * rank) @ bases
 
 
 def encode_kivi(k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, bits: int, group_size: int,

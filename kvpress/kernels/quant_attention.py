@@ -2,8 +2,10 @@
 is ever made. Any q_len works (decode, verification, chunked prefill). Each function returns the online-softmax
 state over the codes' slots, so the layer folds it with its full-precision segments.
 
-`lowbit_attention_state` (rectangular codes [B, Hkv, T]) dispatches: the Triton kernel on CUDA for KIVI codes,
-the torch reference otherwise. `flat_lowbit_attention_state` reads a flat store of per-head runs (codes
+`lowbit_attention_state` (rectangular codes [B, Hkv, T]) dispatches: the Triton kernel on CUDA for KIVI codes;
+elsewhere `codes_domain_attention_state` for KIVI codes in slot order (the scales are folded into the queries and
+the probabilities, so the codes are unpacked once and never rescaled: the fast CPU path), and the torch
+reference for the rest (GEAR terms, codes reordered by eviction, the draft's reduced precision). `flat_lowbit_attention_state` reads a flat store of per-head runs (codes
 [1, 1, N] of a flat segment): each block of the store is dequantized once and every (row, head) reads its
 part of the block through the sparse-gather path. Torch only (no Triton kernel for flat codes yet).
 """
@@ -33,6 +35,52 @@ def lowbit_attention_state_reference(queries: Queries, codes: LowBitCodes, posit
     return state
 
 
+def _unpacked_floats(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """fp32 codes [..., n * 8/bits] of packed uint8 [..., n]: each bit-field written straight into its channels
+    of one float buffer (no stacked uint8 copy, no second conversion)."""
+    per_byte, field = 8 // bits, (1 << bits) - 1
+    out = torch.empty(*packed.shape, per_byte, dtype=torch.float32, device=packed.device)
+    for i in range(per_byte):
+        out[..., i] = (packed >> (i * bits)) & field if i else packed & field
+    return out.view(*packed.shape[:-1], packed.shape[-1] * per_byte)
+
+
+def codes_domain_attention_state(queries: Queries, codes: LowBitCodes, positions, valid=None,
+                                 state: State | None = None) -> State:
+    """The reference's result for KIVI codes whose key groups are implicit (slot // group_size), with fewer
+    passes over the slots: the codes are unpacked straight into one float buffer per tensor; keys are rescaled
+    in place (scale and min per group of slots, broadcast) and read by one matmul; values are never rescaled:
+    a value is scale[slot, channel group] * code + min[...], so the output is (p * scale) @ codes + p @ min per
+    channel group."""
+    hkv = codes.k_codes.shape[1]
+    q = queries.grouped(hkv)
+    batch, _, group, rows, dim = q.shape
+    state = empty_state(q) if state is None else state
+    length, g = codes.num_slots, codes.group_size
+    if length == 0:
+        return state
+    n_rows = group * rows
+    keys = _unpacked_floats(codes.k_codes, codes.bits).view(batch, hkv, length // g, g, dim)
+    keys = keys.mul_(codes.k_scale[:, :, :, None].float()).add_(codes.k_min[:, :, :, None].float())
+    logits = q.reshape(batch, hkv, n_rows, dim) @ keys.view(batch, hkv, length, dim).transpose(-1, -2)
+    logits = logits * queries.scaling  # [B, H, R, T]
+    if queries.softcap is not None:
+        logits = torch.tanh(logits / queries.softcap) * queries.softcap
+    allowed = queries.allowed(positions, valid)[:, :, None].expand(-1, -1, group, -1, -1)
+    logits = logits.masked_fill(~allowed.reshape(batch, hkv, n_rows, length), float("-inf"))
+    m = logits.amax(-1)
+    safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    p = torch.exp(logits - safe[..., None])
+    values = _unpacked_floats(codes.v_codes, codes.bits)  # [B, H, T, D]
+    v_scale = codes.v_scale.float()  # [B, H, T, D / g]
+    acc = (p @ codes.v_min.float()).repeat_interleave(g, -1)  # the mins' part, [B, H, R, D]
+    for c in range(v_scale.shape[-1]):
+        acc[..., c * g:(c + 1) * g] += (p * v_scale[:, :, None, :, c]) @ values[..., c * g:(c + 1) * g]
+    part = (m.view(batch, hkv, group, rows), p.sum(-1).view(batch, hkv, group, rows),
+            acc.view(batch, hkv, group, rows, dim))
+    return merge_states(state, part)
+
+
 def lowbit_attention_state(queries: Queries, codes: LowBitCodes, positions, valid=None, state: State | None = None,
                            precision: int | None = None, use_triton: bool | None = None) -> State:
     from . import triton_quant
@@ -41,6 +89,9 @@ def lowbit_attention_state(queries: Queries, codes: LowBitCodes, positions, vali
         use_triton = (queries.values.is_cuda and triton_quant.available() and codes.k_lr is None
                       and queries.softcap is None)
     if not use_triton:
+        if (codes.k_lr is None and codes.k_group is None and precision in (None, codes.bits)
+                and codes.num_slots % codes.group_size == 0):
+            return codes_domain_attention_state(queries, codes, positions, valid, state)
         return lowbit_attention_state_reference(queries, codes, positions, valid, state, precision)
     part = triton_quant.lowbit_attention_state_triton(queries, codes, positions, valid, precision)
     return part if state is None else merge_states(state, part)
