@@ -9,6 +9,7 @@ the model's own base implementation (sdpa / eager / flash), then lets the policy
 from __future__ import annotations
 
 import functools
+import threading
 import weakref
 from dataclasses import dataclass
 
@@ -24,6 +25,7 @@ from ..kernels.online_softmax import Queries
 from ..kernels.sparse_attention import Selection
 from ..policies import Context, Policy, resolve_policy
 from ..policies.base import ModelInfo, ModelPass
+from ..heads import SINGLE, HeadShards
 from ..positions import Rotary
 
 SUPPORTED_BASES = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")
@@ -36,14 +38,21 @@ _LAST_STATS: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKe
 
 @dataclass
 class _Binding:
-    """Per attention module: its patch, its RoPE (for policies that need it), its (rank, count) among the layers
-    whose budget kvpress spreads, and what the forward in flight handed it (cache, input hidden states)."""
+    """Per attention module: its patch, its RoPE (for policies that need it) and its (rank, count) among the
+    layers whose budget kvpress spreads. What a forward in flight hands the module (its cache, its input hidden
+    states) is not here: it lives per thread on the patch (Patch.live), so concurrent forwards never see each
+    other's cache."""
 
     patch: "Patch"
     rotary: Rotary | None = None
     budget_layer: tuple[int, int] | None = None
-    cache: object = None
-    hidden_states: torch.Tensor | None = None
+
+
+class _InFlight(threading.local):
+    """Per thread: attention module -> (cache, input hidden states) of the forward it is running."""
+
+    def __init__(self):
+        self.calls = {}
 
 
 # ---------------------------------------------------------------------------- the attention function
@@ -52,7 +61,7 @@ def kvpress_attention(module, query, key, value, attention_mask, **kwargs):
     if binding is None:
         raise RuntimeError(f"{type(module).__name__} runs kvpress attention but is not patched by kvpress")
     patch = binding.patch
-    cache = binding.cache
+    cache, hidden_states = patch.live.calls.get(module, (None, None))
     layer = cache.layers[module.layer_idx] if isinstance(cache, KVPressCache) else None
     if not isinstance(layer, KVPressLayer):  # no cache, a stock cache, or a stock (sliding) layer
         return patch.base_attention(module, query, key, value, attention_mask, **kwargs)
@@ -72,7 +81,8 @@ def kvpress_attention(module, query, key, value, attention_mask, **kwargs):
         scaling=kwargs.get("scaling", getattr(module, "scaling", query.shape[-1] ** -0.5)),
         softcap=kwargs.get("softcap"), sliding_window=kwargs.get("sliding_window"),
         prompt_tokens=prompt_tokens, prompt_length=prompt_length, budget_layer=binding.budget_layer,
-        rope_positions=kwargs.get("position_ids"), rotary=binding.rotary, hidden_states=binding.hidden_states,
+        rope_positions=kwargs.get("position_ids"), rotary=binding.rotary, hidden_states=hidden_states,
+        shards=HeadShards.of(query.shape[1], _config_heads(module.config)[0]) if patch.needs.all_heads else SINGLE,
     )
     policy = patch.policy
     # A read view: the cache's draft view during self-speculation, else a read policy after prefill.
@@ -119,7 +129,10 @@ class Patch:
 
     def __init__(self, model, policy: Policy, base: str, attention_modules, rotaries,
                  prefill_chunk_size: int | None = None):
-        self.model = model
+        # Weak references to the model and its modules: the module-level registries (keyed weakly by them) hold
+        # this patch, so a strong reference here would keep a model that is dropped while patched alive forever.
+        self._model = weakref.ref(model)
+        self.live = _InFlight()
         self.policy = policy
         self.base = base
         self.prefill_chunk_size = prefill_chunk_size
@@ -137,7 +150,7 @@ class Patch:
         else:
             self._base_fn = ALL_ATTENTION_FUNCTIONS[base]
 
-        name = _PREFIX + base
+        name = self.attn_implementation = _PREFIX + base
         AttentionInterface.register(name, kvpress_attention)
         AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[base])
         model.set_attn_implementation(name)
@@ -149,24 +162,39 @@ class Patch:
             rank = budget_layers.index(module.layer_idx) if module.layer_idx in budget_layers else None
             _BINDINGS[module] = _Binding(self, rotary, None if rank is None else (rank, len(budget_layers)))
             self._handles.append(module.register_forward_pre_hook(self._bind, with_kwargs=True))
+            self._handles.append(module.register_forward_hook(self._unbind, always_call=True))
         self._handles.append(model.register_forward_pre_hook(self._before_forward, with_kwargs=True))
         self._handles.append(model.register_forward_hook(self._after_forward, with_kwargs=True))
-        self._attention_modules = list(attention_modules)
+        self._attention_modules = [weakref.ref(m) for m in attention_modules]
         model.generate = self._wrap_generate(model.generate)
         if prefill_chunk_size is not None:
             model.forward = self._wrap_forward(model.forward)
         _PATCHES[model] = self
 
-    # -- hooks: what each forward hands kvpress
+    @property
+    def model(self):
+        return self._model()
+
+    # -- hooks: what each forward hands kvpress (per thread, dropped when the module's forward ends)
     def _bind(self, module, args, kwargs):
-        binding = _BINDINGS.get(module)
-        if binding is not None:
-            binding.cache = kwargs.get("past_key_values")
-            if self.needs.hidden_states:
-                binding.hidden_states = args[0] if args else kwargs.get("hidden_states")
+        hidden = (args[0] if args else kwargs.get("hidden_states")) if self.needs.hidden_states else None
+        self.live.calls[module] = (kwargs.get("past_key_values"), hidden)
+
+    def _unbind(self, module, args, output):
+        self.live.calls.pop(module, None)
 
     def _before_forward(self, model, args, kwargs):
+        # Compression must never switch itself off without a word: a stock cache, or an attention implementation
+        # changed under the patch, would run the model uncompressed. Checked before anything is computed.
+        if model.config._attn_implementation != self.attn_implementation:
+            raise RuntimeError(
+                f"attn_implementation was changed to {model.config._attn_implementation!r} while kvpress patched "
+                f"this model (it must stay {self.attn_implementation!r}); unpatch() first, change it, then patch again")
         cache = kwargs.get("past_key_values")
+        if cache is not None and not isinstance(cache, KVPressCache):
+            raise ValueError(
+                f"past_key_values={type(cache).__name__}: a kvpress-patched model compresses only a KVPressCache; "
+                f"allowed values: kvpress.KVPressCache(model.config), or None (generate then makes one)")
         if isinstance(cache, KVPressCache):
             cache.set_attention_mask(kwargs.get("attention_mask"))
             cache.prefilling = cache.probe is None and cache.get_seq_length() == 0
@@ -199,8 +227,12 @@ class Patch:
         else:  # transformers' default: the forward's tokens sit at seen - n .. seen - 1
             next_positions = torch.full((batch,), seen, dtype=torch.long, device=device)
         prompt_tokens, prompt_length = cache.chunked_prompt or (None, None)
+        shards = SINGLE
+        if self.needs.all_heads and cache.kvpress_layers():
+            local = cache.kvpress_layers()[0][1].num_kv_heads
+            shards = HeadShards.of(local, _config_heads(self.model.config.get_text_config(decoder=True))[1])
         return ModelPass(self.model, cache, ids, mask, next_positions, prompt_tokens, prompt_length,
-                         functools.partial(self.probe, cache))
+                         functools.partial(self.probe, cache), shards=shards)
 
     def probe(self, cache: KVPressCache, input_ids, attention_mask, position_ids, on_layer) -> None:
         """Run `input_ids` [B, n] over the cache (attending to everything it holds), calling `on_layer(ctx)` in every
@@ -306,13 +338,15 @@ class Patch:
     # -- undo
     def unpatch(self) -> None:
         """Restore the model exactly as it was before patch_model."""
-        if _PATCHES.get(self.model) is not self:
+        if self.model is None or _PATCHES.get(self.model) is not self:
             return
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        for module in self._attention_modules:
-            _BINDINGS.pop(module, None)
+        for ref in self._attention_modules:
+            module = ref()
+            if module is not None:
+                _BINDINGS.pop(module, None)
         for name, previous in self._previous.items():
             if previous is _ABSENT:
                 self.model.__dict__.pop(name, None)
@@ -336,6 +370,13 @@ _ABSENT = object()
 _PER_TOKEN_INPUTS = ("input_ids", "inputs_embeds", "position_ids", "token_type_ids")
 
 
+def _config_heads(config) -> tuple[int, int]:
+    """(query heads, KV heads) of the whole model, as its config states them (no GQA: as many KV as query heads)."""
+    query = config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None)  # GPT-2 / OPT configs have no KV-head count
+    return query, kv or query
+
+
 def _eager_function(attention_module):
     """The model's own eager attention (transformers keeps it in the modeling file, not in the registry)."""
     import sys
@@ -351,8 +392,9 @@ def _eager_function(attention_module):
 
 # ---------------------------------------------------------------------------- discovery and validation
 def attention_modules_of(model) -> list[torch.nn.Module]:
-    """Attention modules that follow transformers' attention-interface pattern."""
-    return [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "num_key_value_groups")]
+    """Attention modules that follow transformers' attention-interface pattern: a causal self-attention module with
+    a layer index (Llama-style GQA modules, and GPT-2 / GPT-NeoX / OPT, which have no KV-head groups)."""
+    return [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "is_causal")]
 
 
 def patch_model(model, policy: str | Policy | None = "none", prefill_chunk_size: int | None = None,
@@ -374,16 +416,21 @@ def patch_model(model, policy: str | Policy | None = "none", prefill_chunk_size:
         raise ValueError(
             f"model: {type(model).__name__} does not run its attention through transformers' AttentionInterface "
             f"(the attention function kvpress hooks); allowed: models whose attention modules call "
-            f"ALL_ATTENTION_FUNCTIONS, e.g. Llama, Mistral, Qwen2, Qwen3, Gemma3, Phi3"
+            f"ALL_ATTENTION_FUNCTIONS, e.g. Llama, Mistral, Qwen2, Qwen3, Gemma3, Phi3, GPT-2, GPT-NeoX, OPT"
         )
     base = model.config._attn_implementation
     if base is not None and base.startswith(_PREFIX):
         raise ValueError("model is already patched by kvpress; call .unpatch() on the existing patch first")
     if base not in SUPPORTED_BASES:
         raise ValueError(f"attn_implementation={base!r} cannot be wrapped; allowed values: {list(SUPPORTED_BASES)}")
-    info = ModelInfo(model, modules, modules[0].head_dim)
+    text_config = model.config.get_text_config(decoder=True)
+    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+    info = ModelInfo(model, modules, head_dim)
     policy = policy.for_model(info)
-    rotaries = [info.rotary(m) if policy.needs().rotary else None for m in modules]
+    try:
+        rotaries = [info.rotary(m) if policy.needs().rotary else None for m in modules]
+    except ValueError as e:
+        raise ValueError(f"policy {policy.describe()} needs the model's rotary embedding (RoPE): {e}") from None
     return Patch(model, policy, base, modules, rotaries, prefill_chunk_size)
 
 

@@ -26,11 +26,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Callable, ClassVar
 
 import torch
 
+from ..heads import SINGLE, HeadShards
 from ..kernels import attention_probs, attention_column_sums
 from .allocation import adaptive_head_budgets, pyramid_budgets, validate_allocation
 
@@ -46,6 +48,9 @@ class Needs:
     # attention probabilities of a decode step's query over every stored slot, from the attention pass itself
     # (Context.attention_probs / attention_column_sums then cost nothing; other phases recompute them)
     probabilities: bool = False
+    # the evidence of every head of the model, when this process holds only some (tensor parallelism): a
+    # decision over several heads at once (TOVA's mean, AdaKV's per-layer and KVzip's global top-k); see heads.py
+    all_heads: bool = False
 
     def __or__(self, other: "Needs") -> "Needs":
         return Needs(*(a or b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
@@ -74,6 +79,7 @@ class Context:
     rotary: "Rotary | None" = None  # noqa: F821  kvpress.positions.Rotary of this layer
     hidden_states: torch.Tensor | None = None  # [B, q_len, hidden] the attention module's input
     probs: torch.Tensor | None = None  # [B, Hq, q_len, T] fp32, when the attention pass computed them
+    shards: HeadShards = SINGLE  # the block of heads this process holds (all_heads; otherwise all of them)
 
     @property
     def keys(self) -> torch.Tensor:
@@ -186,6 +192,7 @@ class ModelPass:
     # probe(input_ids, attention_mask, position_ids, on_layer): a forward of extra tokens over the cache that
     # calls on_layer(ctx) in every kvpress layer after attention and leaves the cache exactly as it was
     probe: Callable
+    shards: HeadShards = SINGLE  # the block of KV heads this process's layers hold (all_heads)
     # results a policy may share between passes over the same prompt (evals: configs that differ only in budget)
     memo: dict = dataclasses.field(default_factory=dict)
 
@@ -224,6 +231,15 @@ def _by_position(layer, n, among, newest):
     among = layer.key_valid() if among is None else among
     if not layer.sorted and n.numel() and bool((n == n.flatten()[0]).all()):
         k = min(int(n.flatten()[0]), among.shape[-1])  # the same count everywhere: one top-k by position
+        if newest:
+            # A recent window (H2O) is never evicted, so its k positions are normally all still there: the slots
+            # within k of each head's newest position are then exactly the k newest (k distinct positions in a
+            # range of k). Checked by counting; otherwise the top-k below decides.
+            positions = layer.key_positions()
+            top = positions.masked_fill(~among, -1).amax(-1, keepdim=True)
+            window = among & (positions > top - k)
+            if bool((window.sum(-1) == among.sum(-1).clamp(max=k)).all()):
+                return window
         far = torch.iinfo(torch.long).min if newest else torch.iinfo(torch.long).max
         key = layer.key_positions().long().masked_fill(~among, far)
         chosen = torch.zeros_like(among).scatter_(-1, key.topk(k, dim=-1, largest=newest).indices, True)
@@ -251,7 +267,7 @@ def select_kept(
 
 
 def evict_to_budget(layer, scores: torch.Tensor, budget: torch.Tensor, kept_first=None,
-                    allocation: str = "uniform", head_floor: float = 0.0) -> None:
+                    allocation: str = "uniform", head_floor: float = 0.0, shards: HeadShards = SINGLE) -> None:
     """Keep the best `budget` [B] slots per row and KV head of `layer` by `scores` [B, Hkv, T]: real slots only,
     `kept_first(n_keep)` ([B, Hkv, T] or None) before any other; 'adaptive' allocation spreads each row's total
     over its heads (allocation.py). The one place where scores become a keep()."""
@@ -261,18 +277,21 @@ def evict_to_budget(layer, scores: torch.Tensor, budget: torch.Tensor, kept_firs
     if bool((n_keep == n_valid).all()) and layer.stored == int(n_keep.max()):
         return  # within budget and already rectangular: nothing to free
     protected = None if kept_first is None else kept_first(n_keep)
-    if allocation == "adaptive":
-        n_keep, scores = adaptive_head_budgets(scores, valid, n_keep, protected, head_floor)
+    if allocation == "adaptive":  # one top-k over the layer's heads: every rank's (tensor parallelism)
+        n_keep, scores = adaptive_head_budgets(shards.gather(scores), shards.gather(valid), shards.gather(n_keep),
+                                               shards.gather(protected), head_floor)
+        n_keep, scores = shards.local(n_keep), shards.local(scores)
         protected = None  # folded into the priorities
-    keep_best(layer, scores, valid, n_keep, protected)
+    keep_best(layer, scores, valid, n_keep, protected, n_valid)
 
 
 def keep_best(layer, scores: torch.Tensor, valid: torch.Tensor, n_keep: torch.Tensor,
-              protected: torch.Tensor | None = None) -> None:
+              protected: torch.Tensor | None = None, n_valid: torch.Tensor | None = None) -> None:
     """Keep the best `n_keep` [B, Hkv] real slots of each row/head, protected ones first (select_kept). When every
     head has exactly one slot too many (a decode step of a policy that holds its budget), the one it drops is
     evicted in place (layer.replace_newest: the new token takes its slot), not by copying the layer."""
-    if bool(((valid.sum(-1) - n_keep) == 1).all()):
+    n_valid = valid.sum(-1) if n_valid is None else n_valid
+    if bool(((n_valid - n_keep) == 1).all()):
         s = scores.float().masked_fill(~valid, math.inf)
         if protected is not None:
             s = s.masked_fill(protected & valid, math.inf)
@@ -284,6 +303,15 @@ def keep_best(layer, scores: torch.Tensor, valid: torch.Tensor, n_keep: torch.Te
 
 
 # ---------------------------------------------------------------------------- policies
+_KINDS = {  # annotation -> accepts
+    "int": lambda v: isinstance(v, numbers.Integral) and not isinstance(v, bool),
+    "float": lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool),
+    "str": lambda v: isinstance(v, str),
+    "bool": lambda v: isinstance(v, bool),
+}
+_KIND_WORDS = {"int": "an int", "float": "a number", "str": "a string", "bool": "True or False", "None": "None"}
+
+
 @dataclass
 class Policy:
     """Base policy: keeps everything. Subclasses add hyper-parameters and hooks."""
@@ -323,7 +351,43 @@ class Policy:
         return self
 
     def __post_init__(self):
+        self._check_types()
         self.validate()
+        object.__setattr__(self, "_checked", True)
+
+    def __setattr__(self, name, value):
+        """A hyper-parameter changed after construction (e.g. on the policy a patch uses) is checked like one
+        given to the constructor; a bad value is refused and the old one stays."""
+        if name not in self.__dataclass_fields__ or not self.__dict__.get("_checked"):
+            object.__setattr__(self, name, value)
+            return
+        previous = getattr(self, name)
+        object.__setattr__(self, name, value)
+        try:
+            self._check_types()
+            self.validate()
+        except ValueError:
+            object.__setattr__(self, name, previous)
+            raise
+
+    def _check_types(self) -> None:
+        """Hyper-parameters annotated int / float / str / bool (or `X | None`) must be of that kind: numpy and
+        other Integral/Real numbers are converted, bools are not numbers here, strings are not numbers."""
+        for f in dataclasses.fields(self):
+            text = f.type.__name__ if isinstance(f.type, type) else str(f.type)  # a type, or "int | None"
+            kinds = [k.strip() for k in text.split("|")]
+            if not all(k in _KINDS or k == "None" for k in kinds):
+                continue  # not a plain hyper-parameter (tensors, tokenizers, nested policies)
+            value = getattr(self, f.name)
+            if value is None and "None" in kinds:
+                continue
+            for kind in kinds:
+                if kind != "None" and _KINDS[kind](value):
+                    converted = int(value) if kind == "int" else float(value) if kind == "float" else value
+                    object.__setattr__(self, f.name, converted)
+                    break
+            else:
+                raise ValueError(f"{self.name}: {f.name}={value!r}; allowed values: {' or '.join(_KIND_WORDS[k] for k in kinds)}")
 
     def observe(self, ctx: Context) -> None:
         pass
@@ -432,6 +496,9 @@ class ScorerPolicy(BudgetPolicy):
         ctx.layer.row_budget = self.layer_budget(ctx)
         ctx.layer.decode_start = ctx.layer.seen
 
+    def needs(self) -> Needs:
+        return Needs(all_heads=self.budget_allocation in ("adaptive", "global"))
+
     def on_prefill(self, ctx: Context) -> None:
         self.start_budget(ctx)
         if ctx.prompt_tokens is None:
@@ -457,7 +524,7 @@ class ScorerPolicy(BudgetPolicy):
 
         layer = ctx.layer
         evict_to_budget(layer, scores, layer.row_budget if budget is None else budget, kept_first,
-                        self.budget_allocation, self.head_floor)
+                        self.budget_allocation, self.head_floor, ctx.shards)
 
     def compress_generated(self, ctx: Context) -> None:
         """Hold generated tokens (position >= the prompt's end) to decode_budget; prompt slots stay."""

@@ -8,10 +8,10 @@ E[exp(s q.k)] is s mu'.k + s^2 k^T Sigma' k / 2 (s the attention scaling, 1/sqrt
 stored keys gives the expected attention per query head, averaged over each GQA group, times ||v|| (+ epsilon).
 The first n_sink real slots are always kept.
 
-The query statistics are running sums kept in the cache layer (`observe`, every forward), so the same score
-serves prefill, each chunk of a chunked prefill, and decode steps (decode_budget). Pre-RoPE queries come from the
-post-RoPE ones by the layer's own rotary embedding (declared need: rotary), so QK-norm models (Qwen3, Gemma3)
-need nothing model-specific.
+The query statistics are running sums kept in the cache layer (`observe`: every prompt forward, and every decode
+step when decode_budget will score them), so the same score serves prefill, each chunk of a chunked prefill, and
+decode steps. Pre-RoPE queries come from the post-RoPE ones by the layer's own rotary embedding (declared need:
+rotary), so QK-norm models (Qwen3, Gemma3) need nothing model-specific.
 """
 
 from __future__ import annotations
@@ -50,10 +50,13 @@ class ExpectedAttention(ScorerPolicy):
             raise ValueError(f"expected_attention: epsilon={self.epsilon!r}; allowed values: a number >= 0")
 
     def needs(self) -> Needs:
-        return Needs(rotary=True)
+        return super().needs() | Needs(rotary=True)
 
     def observe(self, ctx: Context) -> None:
-        """Add this forward's real, non-sink pre-RoPE queries to the layer's running statistics."""
+        """Add this forward's real, non-sink pre-RoPE queries to the layer's running statistics. After the prompt
+        they are only read again to score generated tokens (decode_budget): without one, decode steps skip this."""
+        if ctx.phase != "prefill" and self.decode_budget is None:
+            return
         layer, stats = ctx.layer, ctx.layer.stats
         q = ctx.pre_rope_query()  # [B, Hq, r, D] fp32
         batch, hq, rows, dim = q.shape

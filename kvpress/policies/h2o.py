@@ -31,7 +31,7 @@ class H2O(ScorerPolicy):
             )
 
     def needs(self) -> Needs:
-        return Needs(probabilities=True)
+        return super().needs() | Needs(probabilities=True)
 
     def observe(self, ctx: Context) -> None:
         # Accumulate this forward's attention into the per-slot state the layer carries between steps.

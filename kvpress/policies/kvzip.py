@@ -91,7 +91,7 @@ class KVzip(ScorerPolicy):
                              f"allowed values: None")
 
     def needs(self) -> Needs:
-        return Needs(model_pass=True, hidden_states=self.kvzip_plus)
+        return super().needs() | Needs(model_pass=True, hidden_states=self.kvzip_plus)
 
     def for_model(self, model) -> "KVzip":
         if self.kvzip_plus and not all(isinstance(getattr(m, "o_proj", None), torch.nn.Linear) for m in model.modules):
@@ -211,13 +211,18 @@ class KVzip(ScorerPolicy):
         if self.budget_allocation != "global":
             for i, layer in layers:
                 evict_to_budget(layer, scores[i], budgets[i], lambda n, e=earlier[i]: e, self.budget_allocation,
-                                self.head_floor)
+                                self.head_floor, run.shards)
             return
         valid = {i: layer.key_valid() for i, layer in layers}
-        heads = {i: valid[i].shape[1] for i, _ in layers}
+        # one top-k over every layer and head of the model: under tensor parallelism, every rank's heads (one
+        # all-gather per layer), each rank then keeps its own block
+        shards = run.shards
+        heads = {i: valid[i].shape[1] * shards.count for i, _ in layers}
         total = sum(budgets[i] * heads[i] for i, _ in layers)  # [B] tokens a row keeps over all layers and heads
-        counts, priorities = global_budgets([scores[i] for i, _ in layers], [valid[i] for i, _ in layers],
-                                            [earlier[i] for i, _ in layers], total)
+        counts, priorities = global_budgets([shards.gather(scores[i]) for i, _ in layers],
+                                            [shards.gather(valid[i]) for i, _ in layers],
+                                            [shards.gather(earlier[i]) for i, _ in layers], total)
+        counts, priorities = [shards.local(c) for c in counts], [shards.local(p) for p in priorities]
         for (i, layer), n_keep, priority in zip(layers, counts, priorities):
             if bool((n_keep == valid[i].sum(-1)).all()) and layer.stored == int(n_keep.max()):
                 continue

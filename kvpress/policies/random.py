@@ -2,7 +2,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Context, ScorerPolicy
+from .base import Context, Needs, ScorerPolicy
 from .registry import register
 
 
@@ -14,6 +14,11 @@ class RandomPolicy(ScorerPolicy):
     name = "random"
     seed: int = 0
 
+    def needs(self) -> Needs:
+        return super().needs() | Needs(all_heads=True)  # the draw covers every head, each rank keeps its block
+
     def score(self, ctx: Context):
         generator = torch.Generator(device=ctx.keys.device).manual_seed(self.seed + ctx.layer_idx)
-        return torch.rand(ctx.keys.shape[:3], generator=generator, device=ctx.keys.device)
+        batch, heads, length = ctx.keys.shape[:3]
+        draw = torch.rand(batch, heads * ctx.shards.count, length, generator=generator, device=ctx.keys.device)
+        return ctx.shards.local(draw)

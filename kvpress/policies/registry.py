@@ -31,7 +31,11 @@ def resolve_policy(policy, **params) -> Policy:
     if policy is None:
         policy = "none"
     if isinstance(policy, str) and "+" in policy:
-        policy = [part.strip() for part in policy.split("+")]
+        parts = [part.strip() for part in policy.split("+")]
+        if not all(parts):
+            raise ValueError(f"policy={policy!r} has an empty part; allowed values: names from {list_policies()} "
+                             f"joined by '+', e.g. 'snapkv+kivi'")
+        policy = parts
     if isinstance(policy, (list, tuple)):
         return _compose(policy, params)
     if isinstance(policy, str):

@@ -46,11 +46,27 @@ class StreamingLLM(ScorerPolicy):
     def score(self, ctx: Context):
         return ctx.layer.key_positions().float()  # newest first, after the protected sinks
 
+    def on_decode(self, ctx: Context) -> None:
+        """The window slides by one: when every head holds exactly one token over its budget, the oldest token
+        behind the sinks is the one to go, found by one top-k over positions (what the generic scorer path
+        decides through scores and protected masks); anything else takes that generic path."""
+        layer = ctx.layer
+        if self.decode_budget is None and self.budget_allocation == "uniform" and not layer.is_flat:
+            valid = layer.key_valid()
+            n_valid = valid.sum(-1)
+            budget = layer.row_budget[:, None].to(n_valid)
+            if bool(((n_valid - budget == 1) & (budget > self.n_sink)).all()):
+                oldest = layer.key_positions().masked_fill(~valid, torch.iinfo(torch.int32).max)
+                victims = oldest.topk(self.n_sink + 1, dim=-1, largest=False).indices[..., -1]
+                if layer.replace_newest(victims):
+                    return
+        super().on_decode(ctx)
+
     def protected(self, ctx: Context, n_keep: torch.Tensor):
         return first_slots(ctx.layer, torch.clamp(n_keep - 1, max=self.n_sink).clamp(min=0))
 
     def needs(self) -> Needs:
-        return Needs(rotary=self.cache_local_positions)
+        return super().needs() | Needs(rotary=self.cache_local_positions)
 
     def for_model(self, model):
         if self.cache_local_positions:  # re-rotation needs standard RoPE frequencies: fail before patching

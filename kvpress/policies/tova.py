@@ -15,8 +15,12 @@ class TOVA(ScorerPolicy):
     evicts_during_decode: ClassVar[bool] = True
 
     def needs(self) -> Needs:
-        return Needs(probabilities=True)
+        return super().needs() | Needs(probabilities=True, all_heads=True)
 
     def score(self, ctx: Context):
         probs = ctx.attention_probs(last=1)[:, :, 0]  # [B, Hq, T]
-        return probs.mean(1, keepdim=True).expand(-1, ctx.keys.shape[1], -1)
+        if ctx.shards.count == 1:
+            mean = probs.mean(1, keepdim=True)
+        else:  # every query head of the model, not only this rank's: one all-reduce of [B, 1, T]
+            mean = ctx.shards.sum(probs.sum(1, keepdim=True)) / (probs.shape[1] * ctx.shards.count)
+        return mean.expand(-1, ctx.keys.shape[1], -1)

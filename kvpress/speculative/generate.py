@@ -78,14 +78,21 @@ def accept(p: torch.Tensor, q: torch.Tensor | None, drafts: torch.Tensor, genera
     return n, torch.multinomial(final, 1, generator=generator).squeeze(-1)
 
 
-def _check(draft, gamma, max_new_tokens, do_sample, temperature, top_p):
+def _whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check(draft, gamma, max_new_tokens, do_sample, temperature, top_p, draft_budget):
     if isinstance(draft, str) and draft not in DRAFTS:
         raise ValueError(f"draft={draft!r} is unknown; allowed values: {sorted(DRAFTS)} or a ReadPolicy instance")
     if not isinstance(draft, (str, ReadPolicy, Quant4View)):
         raise ValueError(f"draft={draft!r}; allowed values: {sorted(DRAFTS)} or a ReadPolicy instance")
-    if not isinstance(gamma, int) or gamma < 1:
+    if not _whole(gamma) or gamma < 1:
         raise ValueError(f"gamma={gamma!r}; allowed values: an int >= 1")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+    if draft_budget is not None and (not _whole(draft_budget) or draft_budget < 1):
+        raise ValueError(f"draft_budget={draft_budget!r}; allowed values: None (10% of the prompt, at least 64) or "
+                         f"an int >= 1")
+    if not _whole(max_new_tokens) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens!r}; allowed values: an int >= 1")
     if do_sample and not temperature > 0:
         raise ValueError(f"temperature={temperature!r}; allowed values: a float > 0")
@@ -105,8 +112,13 @@ def speculative_generate(model, input_ids, attention_mask=None, *, draft="sink_w
     ReadPolicy; draft_budget: tokens the draft reads (default 10% of the shortest prompt, at least 64).
     draft="quant4": the cache is stored as 8-bit KIVI codes (the target reads them whole, so outputs equal the
     8-bit-KV model's) and the draft reads their upper 4 bits; draft_params then configure KIVI.
-    Returns the ids [B, prompt + new] like `generate` (and SpeculativeStats with return_stats=True)."""
-    _check(draft, gamma, max_new_tokens, do_sample, temperature, top_p)
+    eos_token_id / pad_token_id: None takes the model's generation_config, as `generate` does (eos_token_id=[]
+    generates through EOS). Returns the ids [B, prompt + new] like `generate`: it stops once every row has produced
+    EOS, rows that finished earlier padded (and SpeculativeStats with return_stats=True)."""
+    _check(draft, gamma, max_new_tokens, do_sample, temperature, top_p, draft_budget)
+    config = model.generation_config
+    eos_token_id = config.eos_token_id if eos_token_id is None else eos_token_id
+    pad_token_id = config.pad_token_id if pad_token_id is None else pad_token_id
     batch, prompt_len = input_ids.shape
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
     context = int(mask.sum(-1).min())
@@ -147,6 +159,9 @@ def _loop(model, input_ids, prompt_mask, view, gamma, max_new_tokens, do_sample,
           eos_token_id, pad_token_id, generator, return_stats):
     batch, prompt_len = input_ids.shape
     cache = KVPressCache(model.config)
+    # hybrid models' sliding-window layers (transformers' own) then keep past states until each crop, so a
+    # rejected draft can be rolled back there too; kvpress layers always can
+    cache.activate_past_recording()
     eos = torch.tensor([] if eos_token_id is None else
                        (eos_token_id if isinstance(eos_token_id, (list, tuple)) else [eos_token_id]))
     pad = pad_token_id if pad_token_id is not None else (int(eos[0]) if len(eos) else 0)
@@ -209,7 +224,11 @@ def _loop(model, input_ids, prompt_mask, view, gamma, max_new_tokens, do_sample,
         stats.accepted += int(n.sum())
         stats.emitted += k + 1
         stats.per_round_accepted.append(n.tolist())
-    result = torch.cat([input_ids, torch.cat(out, 1)[:, :max_new_tokens]], 1)
+    new = torch.cat(out, 1)[:, :max_new_tokens]
+    hit = torch.isin(new, eos)
+    if bool(hit.any(1).all()):  # generate stops at the step where the last row produces EOS
+        new = new[:, :int(hit.long().argmax(1).max()) + 1]
+    result = torch.cat([input_ids, new], 1)
     return (result, stats) if return_stats else result
 
 

@@ -111,8 +111,10 @@ def run_config(model, ids, mask, spec, params, extra, new_tokens=NEW_TOKENS) -> 
 
 def run_draft(model, ids, mask, draft, params, new_tokens=NEW_TOKENS) -> dict:
     kw = dict(draft_budget=24) if draft != "quant4" else {}
+    # eos_token_id=[]: recorded when speculative_generate ignored the model's EOS; it now stops like generate
+    # (tests/test_robustness.py), and the record keeps checking every round's tokens past EOS
     out = kvpress.speculative_generate(model, ids, mask, draft=draft, gamma=3, max_new_tokens=new_tokens, **kw,
-                                       **params)
+                                       eos_token_id=[], **params)
     return dict(tokens=out[:, ids.shape[1]:].tolist())
 
 
