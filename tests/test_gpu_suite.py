@@ -1,0 +1,43 @@
+"""benchmarks/gpu_suite.py off the GPU: its CPU dry run (section 2, tiny shapes, Triton interpreted) runs every
+kernel against its reference and writes results.json + summary.md; without CUDA anything else is refused."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_suite.py"
+
+
+def _suite(*args):
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, env=env,
+                          timeout=300, cwd=SCRIPT.parents[1])
+
+
+def test_cpu_dry_run_checks_every_kernel_against_its_reference(tmp_path):
+    pytest.importorskip("triton")
+    out = tmp_path / "suite"
+    proc = _suite("--cpu-dry-run", "--threads", "1", "--out", str(out))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    section = json.loads((out / "results.json").read_text())["sections"]["kernels"]
+    assert section["status"] == "complete"
+    rows = section["tables"]["per kernel"]["rows"]
+    kernels = {row["kernel"] for row in rows}
+    assert {"sparse (triton)", "flat runs (triton)"} <= kernels
+    assert any(k.startswith("kivi-") and "triton" in k for k in kernels)
+    assert any("torch" in k for k in kernels)
+    assert all(row["failed"] == 0 and row["mismatches"] == 0 for row in rows), rows
+    assert "| kernel |" in (out / "summary.md").read_text()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
+def test_without_cuda_the_suite_refuses_in_one_line(tmp_path):
+    proc = _suite("--quick", "--out", str(tmp_path / "out"))
+    assert proc.returncode == 2
+    assert "needs a CUDA device" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()
