@@ -14,6 +14,11 @@ done. Separate --shard processes each rewrite the summary when they finish; `--s
 
   torchrun --nproc_per_node 8 -m evals.cli --model PATH --task ruler --samples 50 --out results/
   accelerate launch -m evals.cli --model PATH --task ruler --samples 50 --out results/
+
+A model too big for one device: --tensor-parallel shards its heads over the ranks (transformers' tp_plan) and
+every rank runs every sample; rank 0 writes the same rows one process would.
+
+  torchrun --nproc_per_node 2 -m evals.cli --model PATH --tensor-parallel --task ruler --samples 20 --out results/
 """
 
 from __future__ import annotations
@@ -54,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cap on generated tokens (default: each task's own budget; not part of the resume key)")
     p.add_argument("--data", default=None, help="longbench: a LongBench .jsonl file or a folder of them")
     p.add_argument("--shard", default=None, help="I/N: run the I-th of N shards (0-based)")
+    p.add_argument("--tensor-parallel", action="store_true",
+                   help="under torchrun: shard the model's heads over the ranks (tp_plan='auto') instead of the samples; "
+                        "every rank runs every sample, rank 0 writes")
     p.add_argument("--device", default="auto", help="auto (cuda:LOCAL_RANK if available, else cpu), cpu, cuda:0...")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto: float32 on CPU, bfloat16 on GPU")
@@ -144,7 +152,9 @@ def make_plan(args) -> Plan:
 
     if args.task not in SUITES:
         raise ValueError(f"--task={args.task!r} is unknown; allowed values: {list(SUITES)}")
-    shard = shard_of(args.shard)
+    if args.tensor_parallel and args.shard is not None:
+        raise ValueError("--tensor-parallel with --shard: the ranks share each sample's model; allowed: one of them")
+    shard = (0, 1) if args.tensor_parallel else shard_of(args.shard)
     policies = _list("--policies", args.policies)
     if not policies:
         raise ValueError(f"--policies is empty; allowed values: a comma list of {list_policies()}")
@@ -248,12 +258,15 @@ def pick_device(name: str):
     return torch.device("cpu")
 
 
-def load_model(path: Path, device, dtype: str):
+def load_model(path: Path, device, dtype: str, tensor_parallel: bool = False):
     import torch
     from transformers import AutoModelForCausalLM
 
     if dtype == "auto":
         dtype = "float32" if device.type == "cpu" else "bfloat16"
+    if tensor_parallel:  # transformers places each rank's shard (and starts the process group) itself
+        return AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), attn_implementation="sdpa",
+                                                    tp_plan="auto").eval()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), attn_implementation="sdpa")
     return model.to(device).eval()
 
@@ -279,6 +292,8 @@ def run(args) -> dict:
     plan.out.mkdir(parents=True, exist_ok=True)
     i, n = plan.shard
     results = plan.out / ("results.jsonl" if n == 1 else f"results.shard-{i}-of-{n}.jsonl")
+    # tensor parallel: every rank computes every row (the forwards are collective), rank 0 alone writes them
+    writer = not args.tensor_parallel or int(os.environ.get("RANK", "0")) == 0
     done = {row_key(r.get("model"), r) for r in read_rows(plan.out)}
     tokenizer = AutoTokenizer.from_pretrained(plan.model_path)
     items = work_items(plan)
@@ -286,7 +301,7 @@ def run(args) -> dict:
     counts = dict(evaluated=0, skipped=0)
     bar = tqdm(total=len(items) * len(plan.modes), desc=f"{plan.suite}" + (f" shard {i}/{n}" if n > 1 else ""),
                unit="sample", disable=args.no_progress, dynamic_ncols=True)
-    with open(results, "a", encoding="utf-8") as sink:
+    with open(results if writer else os.devnull, "a", encoding="utf-8") as sink:
         for subtask, length, index in items:
             sample = make_sample(plan, tokenizer, subtask, length, index, args)
             if args.max_new_tokens:
@@ -300,7 +315,7 @@ def run(args) -> dict:
                                   not in done for q in range(len(sample.questions)))]
                 if missing:
                     if model is None:  # only when there is work: a finished run resumes without loading it
-                        model = load_model(plan.model_path, device, args.dtype)
+                        model = load_model(plan.model_path, device, args.dtype, args.tensor_parallel)
                     for row in evaluate(model, tokenizer, sample, missing, mode):
                         row["model"] = plan.model
                         row["length"] = length
@@ -312,6 +327,8 @@ def run(args) -> dict:
                 bar.update()
     bar.close()
     wall = time.time() - started
+    if not writer:
+        return dict(counts, wall_s=round(wall, 1))
     with open(plan.out / "runs.jsonl", "a", encoding="utf-8") as f:
         usage = resource.getrusage(resource.RUSAGE_SELF)
         # CPU seconds and the load average say how much of the wall time was this run's (the CPU may be shared)
