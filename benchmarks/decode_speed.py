@@ -26,6 +26,7 @@ import kvpress
 from kvpress import KVPressCache
 from kvpress.demo import TokenClock
 from kvpress.needle import needle_prompt
+from evals.engine import parse_policy
 
 
 class Timers:
@@ -120,16 +121,6 @@ def long_run(model, ids, policy, budget, new_tokens, window=100) -> dict:
                 tok_s_per_window=[round(r, 2) for r in rates], bytes_per_window=sizes)
 
 
-def _spec(text: str) -> tuple[str, dict]:
-    """'kivi:bits=4:residual_length=32' -> ('kivi', {'bits': 4, 'residual_length': 32})."""
-    name, *pairs = text.split(":")
-    params = {}
-    for pair in pairs:
-        key, value = pair.split("=")
-        params[key] = int(value) if value.lstrip("-").isdigit() else float(value) if "." in value else value
-    return name, params
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2")
@@ -170,7 +161,7 @@ def main(argv=None):
         run(model, warm, torch.ones_like(warm), "none", {}, 4, breakdown=False)
         configs = [("none", {})] + [(pol, dict(compression_ratio=r)) for pol in policies
                                     for r in map(float, args.ratios.split(","))]
-        configs += [_spec(x) for x in args.codecs.split(",") if x]
+        configs += [parse_policy(x) for x in args.codecs.split(",") if x]
         full = None
         for policy, params in configs:
             best = max((run(model, ids, mask, policy, params, args.new_tokens) for _ in range(args.repeats)),

@@ -6,7 +6,7 @@ from transformers import DynamicCache
 
 import kvpress
 from kvpress import KVPressCache, KVPressLayer
-from kvpress.cache.codecs import encode_gear, encode_kivi, pack, unpack
+from kvpress.cache.codecs import encode_gear, encode_kivi, pack, unpack, unpack_floats
 from kvpress.kernels import allowed_mask
 from kvpress.kernels.online_softmax import Queries, dense_attention_state, finish
 from kvpress.kernels.quant_attention import (codes_domain_attention_state, lowbit_attention_state,
@@ -24,6 +24,7 @@ def test_pack_unpack_is_exact(bits):
     packed = pack(codes, bits)
     assert packed.dtype == torch.uint8 and packed.shape[-1] == 64 * bits // 8  # really packed
     assert torch.equal(unpack(packed, bits), codes)
+    assert torch.equal(unpack_floats(packed, bits), codes.float())
 
 
 def manual_dequant(seg, k_shape):

@@ -37,6 +37,16 @@ def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.stack(parts, dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * per_byte)
 
 
+def unpack_floats(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """`unpack(packed, bits)` as fp32, each bit-field written straight into its channels of one float buffer (no
+    stacked uint8 copy, no second conversion)."""
+    per_byte, field = 8 // bits, (1 << bits) - 1
+    out = torch.empty(*packed.shape, per_byte, dtype=torch.float32, device=packed.device)
+    for i in range(per_byte):
+        out[..., i] = (packed >> (i * bits)) & field if i else packed & field
+    return out.view(*packed.shape[:-1], packed.shape[-1] * per_byte)
+
+
 # ---------------------------------------------------------------------------- asymmetric min/max quantizer
 def quantize(x: torch.Tensor, bits: int, dim: int, valid: torch.Tensor | None = None):
     """Asymmetric quantization with one (scale, min) per slice along `dim`. Returns (codes uint8, scale fp16,
@@ -206,12 +216,11 @@ class LowBitCodes:
     def _codes(self, packed: torch.Tensor, precision: int | None) -> torch.Tensor:
         """Unpacked codes as floats; precision=4 on an 8-bit segment reads only the upper nibble, placed at
         the middle of its 16-code bucket (QuantSpec's INT4 draft view of the INT8 cache)."""
-        codes = unpack(packed, self.bits)
         if precision is None or precision == self.bits:
-            return codes.float()
+            return unpack_floats(packed, self.bits)
         if self.bits != 8 or precision != 4:
             raise ValueError(f"precision={precision}; allowed values: None, or 4 on an 8-bit segment")
-        return (codes >> 4).float() * 16 + 7.5
+        return (unpack(packed, self.bits) >> 4).float() * 16 + 7.5
 
     def dequantize_keys(self, start: int, end: int, precision: int | None = None) -> torch.Tensor:
         """fp32 keys [B, H, end-start, D] of a block of slots (GEAR terms included)."""

@@ -227,10 +227,10 @@ class Patch:
         else:  # transformers' default: the forward's tokens sit at seen - n .. seen - 1
             next_positions = torch.full((batch,), seen, dtype=torch.long, device=device)
         prompt_tokens, prompt_length = cache.chunked_prompt or (None, None)
-        shards = SINGLE
-        if self.needs.all_heads and cache.kvpress_layers():
-            local = cache.kvpress_layers()[0][1].num_kv_heads
-            shards = HeadShards.of(local, _config_heads(self.model.config.get_text_config(decoder=True))[1])
+        shards, layers = SINGLE, cache.kvpress_layers() if self.needs.all_heads else []
+        if layers:
+            shards = HeadShards.of(layers[0][1].num_kv_heads,
+                                   _config_heads(self.model.config.get_text_config(decoder=True))[1])
         return ModelPass(self.model, cache, ids, mask, next_positions, prompt_tokens, prompt_length,
                          functools.partial(self.probe, cache), shards=shards)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ..cache.codecs import LowBitCodes
+from ..cache.codecs import LowBitCodes, unpack_floats
 from .online_softmax import Queries, State, block_update, empty_state, merge_states
 from .sparse_attention import Selection, sparse_attention_state_reference
 
@@ -35,16 +35,6 @@ def lowbit_attention_state_reference(queries: Queries, codes: LowBitCodes, posit
     return state
 
 
-def _unpacked_floats(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """fp32 codes [..., n * 8/bits] of packed uint8 [..., n]: each bit-field written straight into its channels
-    of one float buffer (no stacked uint8 copy, no second conversion)."""
-    per_byte, field = 8 // bits, (1 << bits) - 1
-    out = torch.empty(*packed.shape, per_byte, dtype=torch.float32, device=packed.device)
-    for i in range(per_byte):
-        out[..., i] = (packed >> (i * bits)) & field if i else packed & field
-    return out.view(*packed.shape[:-1], packed.shape[-1] * per_byte)
-
-
 def codes_domain_attention_state(queries: Queries, codes: LowBitCodes, positions, valid=None,
                                  state: State | None = None) -> State:
     """The reference's result for KIVI codes whose key groups are implicit (slot // group_size), with fewer
@@ -60,7 +50,7 @@ def codes_domain_attention_state(queries: Queries, codes: LowBitCodes, positions
     if length == 0:
         return state
     n_rows = group * rows
-    keys = _unpacked_floats(codes.k_codes, codes.bits).view(batch, hkv, length // g, g, dim)
+    keys = unpack_floats(codes.k_codes, codes.bits).view(batch, hkv, length // g, g, dim)
     keys = keys.mul_(codes.k_scale[:, :, :, None].float()).add_(codes.k_min[:, :, :, None].float())
     logits = q.reshape(batch, hkv, n_rows, dim) @ keys.view(batch, hkv, length, dim).transpose(-1, -2)
     logits = logits * queries.scaling  # [B, H, R, T]
@@ -71,7 +61,7 @@ def codes_domain_attention_state(queries: Queries, codes: LowBitCodes, positions
     m = logits.amax(-1)
     safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     p = torch.exp(logits - safe[..., None])
-    values = _unpacked_floats(codes.v_codes, codes.bits)  # [B, H, T, D]
+    values = unpack_floats(codes.v_codes, codes.bits)  # [B, H, T, D]
     v_scale = codes.v_scale.float()  # [B, H, T, D / g]
     acc = (p @ codes.v_min.float()).repeat_interleave(g, -1)  # the mins' part, [B, H, R, D]
     for c in range(v_scale.shape[-1]):
