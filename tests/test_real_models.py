@@ -91,18 +91,67 @@ def test_snapkv_half_cache_still_finds_the_needle_at_4k(smollm2):
     assert all(row["kept_max"] <= prompt.n_tokens // 2 + 8 for row in stats["layers"])
 
 
-@pytest.mark.xfail(strict=True, reason="known limitation (docs/architecture.md): each chunk is judged by its own "
-                   "queries, which do not vote for the needle; the question at the prompt's end comes too late")
-def test_chunked_prefill_keeps_an_early_needle_at_8k(smollm2):
-    """8K prompt fed in 1K chunks, SnapKV at 75% after every chunk: the needle (depth 0.1) is still answered,
-    and no layer ever held more than budget + one chunk. Fails today (strict xfail): see the reason."""
+def test_chunked_prefill_hears_the_question_and_keeps_an_early_needle_at_3k(smollm2):
+    """3K prompt fed in 1K chunks, SnapKV at 75% after every chunk: judged by its own queries, the first chunk drops
+    the needle (depth 0.1); with the prompt's last 40 tokens declared the question, each chunk is judged with the
+    question's queries appended and the needle is answered. No layer ever held more than budget + one chunk +
+    the question, and the question's tokens were never kept beyond the prompt's own."""
+    model, tok = smollm2
+    prompt = needle_prompt(tok, 3000, depth=0.1, seed=3)
+    budget = prompt.n_tokens - int(prompt.n_tokens * 0.75)
+    with kvpress.patch_model(model, "snapkv", compression_ratio=0.75, prefill_chunk_size=1024):
+        assert prompt.answer not in _answer(model, tok, prompt)
+    with record_held_tokens() as peak, kvpress.patch_model(model, "snapkv", compression_ratio=0.75,
+                                                             prefill_chunk_size=1024, question_tokens=40):
+        answer = _answer(model, tok, prompt)
+    assert prompt.answer in answer
+    assert max(peak) <= budget + 1024 + 40
+    stats = kvpress.last_cache_stats(model)
+    assert all(row["kept_max"] <= budget + 8 for row in stats["layers"])  # + the generated tokens
+
+
+@pytest.mark.xfail(strict=True, reason="not met yet: at 8K the needle's tokens are kept in most layers with the "
+                   "question's votes, but the answer is still wrong (chunks after the first are computed over a "
+                   "compressed past; see the calibrated-selection issue's closing note)")
+def test_chunked_prefill_with_the_question_keeps_an_early_needle_at_8k(smollm2):
+    """The same at 8K (the target of the calibrated-selection issue): fails today (strict xfail)."""
     model, tok = smollm2
     prompt = needle_prompt(tok, 8000, depth=0.1, seed=3)
     budget = prompt.n_tokens - int(prompt.n_tokens * 0.75)
     with record_held_tokens() as peak, kvpress.patch_model(model, "snapkv", compression_ratio=0.75,
-                                                             prefill_chunk_size=1024):
+                                                             prefill_chunk_size=1024, question_tokens=40):
         answer = _answer(model, tok, prompt)
+    assert max(peak) <= budget + 1024 + 40
     assert prompt.answer in answer
-    assert max(peak) <= budget + 1024
-    stats = kvpress.last_cache_stats(model)
-    assert all(row["kept_max"] <= budget + 16 for row in stats["layers"])  # + the generated tokens
+
+
+def _document_and_question(tok, prompt):
+    """The needle prompt split where its question starts: (document ids [1, n], question ids [1, m])."""
+    text = tok.decode(prompt.input_ids[0])
+    cut = text.rindex("\n\nQUESTION")
+    encode = lambda part: tok(part, return_tensors="pt", add_special_tokens=False).input_ids  # noqa: E731
+    return encode(text[:cut]), encode(text[cut:])
+
+
+@pytest.mark.parametrize("policy, params", [("kvzap", dict(compression_ratio=0.75)),
+                                            ("duo_attention", dict(streaming_heads=0.5))])
+def test_calibrated_policies_answer_a_question_asked_after_compression(smollm2, policy, params):
+    """The document is compressed alone (the question comes later, on a fork of the cache), with the calibration
+    file `make models` installs beside SmolLM2: the needle is still answered, and the cache holds what the policy
+    promises (kvzap: 25% of the K/V tokens; the head split: about half)."""
+    model, tok = smollm2
+    prompt = needle_prompt(tok, 3000, depth=0.3, seed=5)
+    document, question = _document_and_question(tok, prompt)
+    cache = KVPressCache(model.config)
+    with kvpress.patch_model(model, policy, **params), torch.no_grad():
+        model(document, past_key_values=cache)
+        kept = sum(int(layer.tokens_per_head().sum()) for _, layer in cache.kvpress_layers())
+        full = document.shape[1] * 3 * len(cache.kvpress_layers())  # 3 KV heads
+        ids = torch.cat([document, question], 1)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache.fork(), max_new_tokens=8,
+                             do_sample=False)
+    assert prompt.answer in tok.decode(out[0, ids.shape[1]:])
+    if policy == "kvzap":
+        assert kept == (document.shape[1] - int(document.shape[1] * 0.75)) * 3 * len(cache.kvpress_layers())
+    else:
+        assert 0.45 < kept / full < 0.6

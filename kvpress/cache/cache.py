@@ -25,7 +25,10 @@ class KVPressCache(Cache):
     The cache itself holds no policy: the attention function of a patched model reads and compacts it.
     """
 
-    def __init__(self, config=None):
+    def __init__(self, config=None, question_ids: torch.Tensor | None = None):
+        if question_ids is not None and (not isinstance(question_ids, torch.Tensor) or question_ids.dim() != 2
+                                         or question_ids.shape[1] < 1 or question_ids.is_floating_point()):
+            raise ValueError(f"question_ids={question_ids!r}; allowed values: None or token ids [batch or 1, n >= 1]")
         layer_types = _layer_types(config) if config is not None else None
         if layer_types is None:
             super().__init__(layer_class_to_replicate=KVPressLayer)
@@ -49,6 +52,10 @@ class KVPressCache(Cache):
         # While a model-level hook probes the cache (Patch.probe): called with each kvpress layer's Context after
         # attention, instead of the policy's hooks; None otherwise.
         self.probe = None
+        # A question known while a long prompt is prefilled in chunks (token ids [B or 1, n]): each chunk is judged
+        # with it appended as observation queries, then they are forgotten (Patch._chunked_prefill)
+        self.question_ids = question_ids
+        self.observers = 0  # the forward in flight ends with this many observation tokens (dropped after it)
         self.prefilling = False  # the forward in flight is a prompt forward (set by the patch's model hooks)
         self.prefill_nbytes: int | None = None  # bytes held right after the prompt (recorded by the patch)
         self.prefill_kv_nbytes: int | None = None
@@ -72,6 +79,29 @@ class KVPressCache(Cache):
                 new_valid = self._token_mask[:, -q_len:]
             return layer.update(key_states, value_states, new_valid=new_valid)
         return layer.update(key_states, value_states, *args, **kwargs)
+
+    # ------------------------------------------------------------------ observation tokens
+    def observe_next(self, n: int) -> None:
+        """The next forward's last `n` tokens are observation queries: policies keep them through their eviction
+        (chunk_share), and forget_observers() drops them after the forward. Stock sliding layers record their past
+        meanwhile, so they can give those tokens back."""
+        self.observers = n
+        for layer in self.layers:
+            if not isinstance(layer, KVPressLayer) and hasattr(layer, "record_past"):
+                layer.record_past = True
+
+    def forget_observers(self) -> None:
+        """Drop the observation tokens of the forward that just ran from every layer (seen steps back)."""
+        n, self.observers = self.observers, 0
+        for layer in self.layers:
+            if isinstance(layer, KVPressLayer):
+                layer.forget_newest(n)
+            elif getattr(layer, "is_initialized", False):
+                layer.crop(-n)
+                if hasattr(layer, "record_past"):
+                    layer.record_past = False
+        if self._token_mask is not None:
+            self._token_mask = self._token_mask[:, :-n]
 
     # ------------------------------------------------------------------ copies and rows
     def fork(self) -> "KVPressCache":

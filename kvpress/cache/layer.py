@@ -181,6 +181,21 @@ class KVPressLayer(CacheLayerMixin):
             derived.truncate(self.stored)
         self.seen = new_seen
 
+    def forget_newest(self, n: int) -> None:
+        """Forget the `n` newest tokens seen (observation tokens: a policy's eviction already dropped them, a policy
+        that evicted nothing did not), wherever their slots are; seen steps back."""
+        if n == 0 or not self.is_initialized:
+            return
+        new_seen = self.seen - n
+        valid = self.key_valid()
+        kept = valid & (self.key_positions() < new_seen)
+        if bool((kept != valid).any()):
+            width = int(kept.sum(-1).max())
+            order = (~kept).long().argsort(dim=-1, stable=True)[..., :width]  # the other slots, in slot order
+            self.keep(order, kept.gather(-1, order))
+        self.seen = new_seen
+        self.decode_start = min(self.decode_start, new_seen)
+
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self.batch_select_indices(beam_idx)
 
@@ -297,6 +312,11 @@ class KVPressLayer(CacheLayerMixin):
         for segment, offset in zip(self.segments, self._offsets()):
             out.append(segment.with_view_state(name, state[..., offset:offset + segment.width]))
         self.segments = out
+
+    def drop_state(self, name: str) -> None:
+        """Forget per-slot state `name` (a policy that no longer needs it: its bytes are freed)."""
+        self.segments = [dataclasses.replace(s, state={k: v for k, v in s.state.items() if k != name})
+                         if name in s.state else s for s in self.segments]
 
     def tokens_per_head(self) -> torch.Tensor:
         """[B, Hkv] real tokens kept in each head."""

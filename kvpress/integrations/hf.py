@@ -9,6 +9,7 @@ the model's own base implementation (sdpa / eager / flash), then lets the policy
 from __future__ import annotations
 
 import functools
+import numbers
 import threading
 import weakref
 from dataclasses import dataclass
@@ -80,7 +81,8 @@ def kvpress_attention(module, query, key, value, attention_mask, **kwargs):
         module=module, layer=layer, phase=phase, query=query,
         scaling=kwargs.get("scaling", getattr(module, "scaling", query.shape[-1] ** -0.5)),
         softcap=kwargs.get("softcap"), sliding_window=kwargs.get("sliding_window"),
-        prompt_tokens=prompt_tokens, prompt_length=prompt_length, budget_layer=binding.budget_layer,
+        prompt_tokens=prompt_tokens, prompt_length=prompt_length, observers=cache.observers,
+        budget_layer=binding.budget_layer,
         rope_positions=kwargs.get("position_ids"), rotary=binding.rotary, hidden_states=hidden_states,
         shards=HeadShards.of(query.shape[1], _config_heads(module.config)[0]) if patch.needs.all_heads else SINGLE,
     )
@@ -128,7 +130,7 @@ class Patch:
     """A patched model. Use as a context manager, or call `unpatch()`."""
 
     def __init__(self, model, policy: Policy, base: str, attention_modules, rotaries,
-                 prefill_chunk_size: int | None = None):
+                 prefill_chunk_size: int | None = None, question_tokens: int | None = None):
         # Weak references to the model and its modules: the module-level registries (keyed weakly by them) hold
         # this patch, so a strong reference here would keep a model that is dropped while patched alive forever.
         self._model = weakref.ref(model)
@@ -136,6 +138,7 @@ class Patch:
         self.policy = policy
         self.base = base
         self.prefill_chunk_size = prefill_chunk_size
+        self.question_tokens = question_tokens
         self.needs = policy.needs()
         text_config = model.config.get_text_config(decoder=True)
         # layers whose cache kvpress compresses (hybrid models' sliding-window layers keep their own cache):
@@ -304,10 +307,22 @@ class Patch:
     def _chunked_prefill(self, forward, cache, chunk, batch, length, mask, logits_to_keep, kwargs):
         """Feed the prompt `chunk` tokens at a time; after each chunk every kvpress layer runs the policy's prefill
         hook and the model-level hook runs once, so the cache holds at most budget + one chunk. Budgets follow the
-        whole prompt's length (see chunk_share in policies/base.py). Returns the last forward's output, with the
-        logits the caller asked for (logits_to_keep: 0 = all)."""
+        whole prompt's length (see chunk_share in policies/base.py). With a known question (question_tokens, or
+        the cache's question_ids), chunks that do not already end with it get it appended as observation queries:
+        the policy judges the chunk with them (kept through its eviction), then every layer forgets them.
+        Returns the last forward's output, with the logits the caller asked for (logits_to_keep: 0 = all)."""
         real = mask.sum(-1) if mask is not None else torch.full((batch,), length)
-        device = next(t for t in (kwargs.get("input_ids"), kwargs.get("inputs_embeds")) if t is not None).device
+        ids = kwargs.get("input_ids")
+        device = next(t for t in (ids, kwargs.get("inputs_embeds")) if t is not None).device
+        question, question_from = self._question(cache, ids, length, batch)
+        if question is not None:  # the question's RoPE positions: where it sits (or will sit) after the prompt
+            n = question.shape[1]
+            prompt_positions = kwargs.get("position_ids")
+            if prompt_positions is None:
+                prompt_positions = torch.arange(length, device=device)[None].expand(batch, -1)
+            last = prompt_positions[..., -1:]
+            question_positions = prompt_positions[..., length - n:] if question_from <= length else \
+                last + torch.arange(1, n + 1, device=device)
         cache.chunked_prompt = (real.to(device), length)
         logits = []
         try:
@@ -321,19 +336,43 @@ class Patch:
                     step["cache_position"] = kwargs["cache_position"][start:end]
                 if mask is not None:
                     step["attention_mask"] = mask[:, :end]
-                cache.set_attention_mask(step.get("attention_mask"))
                 # logits this chunk must return: all (0), its tail that falls in the last `logits_to_keep`, or
                 # one that is dropped
                 wanted = end - start if logits_to_keep == 0 else min(end - start, logits_to_keep - (length - end))
                 step["logits_to_keep"] = max(wanted, 1) if logits_to_keep != 0 else 0
-                out = forward(**step)
+                observers = question.shape[1] if question is not None and end <= question_from else 0
+                run = _with_observers(step, question, question_positions, start, end) if observers else step
+                if observers:
+                    run["logits_to_keep"] = 0 if logits_to_keep == 0 else step["logits_to_keep"] + observers
+                    cache.observe_next(observers)
+                cache.set_attention_mask(run.get("attention_mask"))
+                out = forward(**run)
+                if observers:
+                    out.logits = out.logits[:, :-observers]
+                    cache.forget_observers()
                 self._after_prompt(cache, (), step)  # the chunk loop runs below the model's own hooks
                 if wanted > 0:
                     logits.append(out.logits)
         finally:
             cache.chunked_prompt = None
+            cache.observers = 0
         out.logits = torch.cat(logits, 1) if len(logits) > 1 else logits[0]
         return out
+
+    def _question(self, cache, ids, length, batch):
+        """(question ids [B, n] or None, the prompt position from which chunks already hold it)."""
+        if cache.question_ids is not None:
+            question = cache.question_ids
+            if question.dim() != 2 or question.shape[0] not in (1, batch):
+                raise ValueError(f"question_ids of shape {tuple(question.shape)}; allowed: [1, n] or [batch={batch}, n]")
+            return question.to(ids.device if ids is not None else question.device).expand(batch, -1), length + 1
+        if self.question_tokens is None:
+            return None, length + 1
+        if ids is None:
+            raise ValueError("question_tokens reads the question from the prompt's input_ids; feed input_ids (not "
+                             "inputs_embeds), or pass the question as KVPressCache(config, question_ids=...)")
+        n = min(self.question_tokens, length)
+        return ids[:, length - n:], length - n
 
     # -- undo
     def unpatch(self) -> None:
@@ -370,6 +409,30 @@ _ABSENT = object()
 _PER_TOKEN_INPUTS = ("input_ids", "inputs_embeds", "position_ids", "token_type_ids")
 
 
+def _with_observers(step: dict, question: torch.Tensor, question_positions: torch.Tensor, start: int,
+                    end: int) -> dict:
+    """One chunk's forward inputs extended with the question's tokens, right after the chunk in the cache, at the
+    RoPE positions the question really has (the prompt's end): the question then weighs each chunk as it would
+    weigh it in a one-shot prefill (RoPE distances included). They are real tokens of every row."""
+    step, n = dict(step), question.shape[1]
+    if step.get("input_ids") is None:
+        raise ValueError("a question for a chunked prefill needs the prompt as input_ids (not inputs_embeds)")
+    step["input_ids"] = torch.cat([step["input_ids"], question.to(step["input_ids"])], 1)
+    positions = step.get("position_ids")
+    if positions is None:
+        positions = torch.arange(start, end, device=question.device)[None].expand(question.shape[0], -1)
+    step["position_ids"] = torch.cat([positions, question_positions.to(positions).expand(positions.shape[0], -1)], -1)
+    ahead = torch.arange(1, n + 1, device=question.device)
+    if step.get("cache_position") is not None:
+        step["cache_position"] = torch.cat([step["cache_position"], step["cache_position"][-1:] + ahead])
+    if step.get("token_type_ids") is not None:
+        step["token_type_ids"] = torch.cat([step["token_type_ids"], step["token_type_ids"][:, -1:].expand(-1, n)], 1)
+    if step.get("attention_mask") is not None:
+        mask = step["attention_mask"]
+        step["attention_mask"] = torch.cat([mask, mask.new_ones(mask.shape[0], n)], 1)
+    return step
+
+
 def _config_heads(config) -> tuple[int, int]:
     """(query heads, KV heads) of the whole model, as its config states them (no GQA: as many KV as query heads)."""
     query = config.num_attention_heads
@@ -398,16 +461,27 @@ def attention_modules_of(model) -> list[torch.nn.Module]:
 
 
 def patch_model(model, policy: str | Policy | None = "none", prefill_chunk_size: int | None = None,
-                **params) -> Patch:
+                question_tokens: int | None = None, **params) -> Patch:
     """Make `model.generate` (and forwards given a KVPressCache) keep a compressed KV cache.
 
     `policy` is a name from `kvpress.list_policies()` or a Policy instance; `params` are its
     hyper-parameters (e.g. compression_ratio=0.75, or budget=512). `prefill_chunk_size` feeds long prompts
     in chunks and compresses after each one, so the cache never holds more than budget + one chunk (see
-    docs/architecture.md for how this differs from one-shot prefill). Returns a Patch: use it as a context
-    manager or call `.unpatch()`. All checks run before the model is touched."""
+    docs/architecture.md for how this differs from one-shot prefill). `question_tokens=N` declares the prompt's
+    last N tokens the question: each earlier chunk is then judged with the question appended as observation
+    queries (CItruS-style; their K/V are dropped after the chunk). A question asked later can be given per cache
+    instead: `KVPressCache(config, question_ids=ids)`. Returns a Patch: use it as a context manager or call
+    `.unpatch()`. All checks run before the model is touched."""
     policy = resolve_policy(policy, **params)
     _check_chunk_size(prefill_chunk_size, policy)
+    if question_tokens is not None:
+        if isinstance(question_tokens, bool) or not isinstance(question_tokens, numbers.Integral) or question_tokens < 1:
+            raise ValueError(f"question_tokens={question_tokens!r}; allowed values: None or an int >= 1")
+        if prefill_chunk_size is None:
+            raise ValueError(f"question_tokens={question_tokens} declares the question for a chunked prefill; a one-shot "
+                             f"prefill already judges the prompt with it; allowed: question_tokens with "
+                             f"prefill_chunk_size=<int>, or question_tokens=None")
+        question_tokens = int(question_tokens)
     if model in _PATCHES:
         raise ValueError("model is already patched by kvpress; call .unpatch() on the existing patch first")
     modules = attention_modules_of(model)
@@ -431,7 +505,7 @@ def patch_model(model, policy: str | Policy | None = "none", prefill_chunk_size:
         rotaries = [info.rotary(m) if policy.needs().rotary else None for m in modules]
     except ValueError as e:
         raise ValueError(f"policy {policy.describe()} needs the model's rotary embedding (RoPE): {e}") from None
-    return Patch(model, policy, base, modules, rotaries, prefill_chunk_size)
+    return Patch(model, policy, base, modules, rotaries, prefill_chunk_size, question_tokens)
 
 
 def _check_chunk_size(chunk, policy: Policy) -> None:

@@ -12,6 +12,8 @@ from .streaming_llm import StreamingLLM
 from .kvzip import KVzip
 from .expected_attention import ExpectedAttention
 from .keydiff import KeyDiff
+from .kvzap import KVzap
+from .duo_attention import DuoAttention
 from .kivi import KIVI
 from .gear import GEAR
 from .compose import Composed
@@ -20,6 +22,6 @@ from .sparse import Quant4View, Quest, ReadPolicy, Retrieval, SinkWindow, TopK
 __all__ = [
     "Policy", "BudgetPolicy", "ScorerPolicy", "Context", "select_kept",
     "register", "list_policies", "get_policy_class", "resolve_policy",
-    "NoCompression", "Knorm", "RandomPolicy", "TOVA", "SnapKV", "H2O", "StreamingLLM", "KVzip", "ExpectedAttention", "KeyDiff",
+    "NoCompression", "Knorm", "RandomPolicy", "TOVA", "SnapKV", "H2O", "StreamingLLM", "KVzip", "ExpectedAttention", "KeyDiff", "KVzap", "DuoAttention",
     "KIVI", "GEAR", "Composed", "ReadPolicy", "Quest", "Retrieval", "TopK", "SinkWindow", "Quant4View",
 ]

@@ -34,7 +34,7 @@ import torch
 
 from ..heads import SINGLE, HeadShards
 from ..kernels import attention_probs, attention_column_sums
-from .allocation import adaptive_head_budgets, pyramid_budgets, validate_allocation
+from .allocation import adaptive_head_budgets, global_budgets, pyramid_budgets, validate_allocation
 
 
 # ---------------------------------------------------------------------------- declarations
@@ -74,6 +74,7 @@ class Context:
     # follow the prompt, not the chunk); None otherwise
     prompt_tokens: torch.Tensor | None = None
     prompt_length: int | None = None
+    observers: int = 0  # this forward's last tokens are observation queries (a known question), dropped after it
     rope_positions: torch.Tensor | None = None  # [B, q_len] RoPE positions of the query rows (None: seen-based)
     # Provided only to policies that declare the need (Needs):
     rotary: "Rotary | None" = None  # noqa: F821  kvpress.positions.Rotary of this layer
@@ -267,11 +268,15 @@ def select_kept(
 
 
 def evict_to_budget(layer, scores: torch.Tensor, budget: torch.Tensor, kept_first=None,
-                    allocation: str = "uniform", head_floor: float = 0.0, shards: HeadShards = SINGLE) -> None:
+                    allocation: str = "uniform", head_floor: float = 0.0, shards: HeadShards = SINGLE,
+                    observers: int = 0) -> None:
     """Keep the best `budget` [B] slots per row and KV head of `layer` by `scores` [B, Hkv, T]: real slots only,
     `kept_first(n_keep)` ([B, Hkv, T] or None) before any other; 'adaptive' allocation spreads each row's total
-    over its heads (allocation.py). The one place where scores become a keep()."""
+    over its heads (allocation.py); the newest `observers` tokens (observation queries) are never kept. The one
+    place where scores become a keep()."""
     valid = layer.key_valid()
+    if observers:
+        valid = valid & (layer.key_positions() < layer.seen - observers)
     n_valid = valid.sum(-1)  # [B, Hkv]
     n_keep = torch.minimum(budget[:, None].to(n_valid), n_valid)
     if bool((n_keep == n_valid).all()) and layer.stored == int(n_keep.max()):
@@ -300,6 +305,40 @@ def keep_best(layer, scores: torch.Tensor, valid: torch.Tensor, n_keep: torch.Te
         if layer.replace_newest(victims):
             return
     layer.keep(*select_kept(scores, valid, n_keep, protected))
+
+
+def evict_after_prompt(run: ModelPass, scores: dict, allocation: str, head_floor: float = 0.0) -> None:
+    """The model-level counterpart of evict_to_budget, for policies that score once the whole prompt went through
+    every layer (KVzip, KVzap): keep the best slots of every layer by `scores` {layer_idx: [B, Hkv, T]} under each
+    layer's row budget. 'global' runs one top-k over every (layer, KV head, slot) of a row, so layers and heads
+    keep different counts (stored flat); the other allocations cut each layer alone. In a chunked prefill, slots
+    kept from earlier chunks stay and this chunk adds its share."""
+    layers = run.layers()
+    budgets, earlier = {}, {}
+    for i, layer in layers:
+        if run.prompt_tokens is None:
+            budgets[i], earlier[i] = layer.row_budget, None
+        else:
+            budgets[i], earlier[i] = chunk_share(layer, run.prompt_tokens, run.prompt_length, layer.last_q_len)
+    if allocation != "global":
+        for i, layer in layers:
+            evict_to_budget(layer, scores[i], budgets[i], lambda n, e=earlier[i]: e, allocation, head_floor,
+                            run.shards)
+        return
+    valid = {i: layer.key_valid() for i, layer in layers}
+    # one top-k over every layer and head of the model: under tensor parallelism, every rank's heads (one
+    # all-gather per layer), each rank then keeps its own block
+    shards = run.shards
+    heads = {i: valid[i].shape[1] * shards.count for i, _ in layers}
+    total = sum(budgets[i] * heads[i] for i, _ in layers)  # [B] tokens a row keeps over all layers and heads
+    counts, priorities = global_budgets([shards.gather(scores[i]) for i, _ in layers],
+                                        [shards.gather(valid[i]) for i, _ in layers],
+                                        [shards.gather(earlier[i]) for i, _ in layers], total)
+    counts, priorities = [shards.local(c) for c in counts], [shards.local(p) for p in priorities]
+    for (i, layer), n_keep, priority in zip(layers, counts, priorities):
+        if bool((n_keep == valid[i].sum(-1)).all()) and layer.stored == int(n_keep.max()):
+            continue
+        layer.keep(*select_kept(priority, valid[i], n_keep))
 
 
 # ---------------------------------------------------------------------------- policies
@@ -504,7 +543,7 @@ class ScorerPolicy(BudgetPolicy):
         if ctx.prompt_tokens is None:
             self.compress(ctx, self.score(ctx))
             return
-        share, earlier = chunk_share(ctx.layer, ctx.prompt_tokens, ctx.prompt_length, ctx.q_len)
+        share, earlier = chunk_share(ctx.layer, ctx.prompt_tokens, ctx.prompt_length, ctx.q_len, ctx.observers)
         self.compress(ctx, self.score(ctx), budget=share, keep=earlier)
 
     def on_decode(self, ctx: Context) -> None:
@@ -524,7 +563,7 @@ class ScorerPolicy(BudgetPolicy):
 
         layer = ctx.layer
         evict_to_budget(layer, scores, layer.row_budget if budget is None else budget, kept_first,
-                        self.budget_allocation, self.head_floor, ctx.shards)
+                        self.budget_allocation, self.head_floor, ctx.shards, ctx.observers)
 
     def compress_generated(self, ctx: Context) -> None:
         """Hold generated tokens (position >= the prompt's end) to decode_budget; prompt slots stay."""
@@ -540,14 +579,15 @@ class ScorerPolicy(BudgetPolicy):
         keep_best(layer, self.score(ctx), valid, prompt.sum(-1) + budget, prompt | recent)
 
 
-def chunk_share(layer, prompt_tokens: torch.Tensor, prompt_length: int, q_len: int):
+def chunk_share(layer, prompt_tokens: torch.Tensor, prompt_length: int, q_len: int, observers: int = 0):
     """Chunked prefill: (budget [B] a row may hold after this chunk, [B, Hkv, T] slots kept from earlier chunks).
 
     Tokens kept from earlier chunks stay, and this chunk adds its share of the budget, so after a chunk a row holds
     budget x (its real tokens seen / its prompt's real tokens). Re-judging earlier survivors by each later chunk's
     queries would favour recent tokens chunk after chunk (an early needle at 8K is lost that way at 75% on
-    SmolLM2, but kept this way)."""
-    real_seen = (prompt_tokens - (prompt_length - layer.seen)).clamp(min=0)
+    SmolLM2, but kept this way). The forward's last `observers` tokens (a known question appended to the chunk)
+    are not prompt tokens: they vote, and are never kept."""
+    real_seen = (prompt_tokens - (prompt_length - (layer.seen - observers))).clamp(min=0)
     share = torch.ceil(layer.row_budget * real_seen / prompt_tokens.clamp(min=1)).long()
     earlier = layer.key_valid() & (layer.key_positions() < layer.seen - q_len)
     return share, earlier

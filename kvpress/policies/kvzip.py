@@ -29,8 +29,7 @@ from typing import ClassVar
 
 import torch
 
-from .allocation import global_budgets
-from .base import Context, ModelPass, Needs, ScorerPolicy, chunk_share, evict_to_budget, first_slots, select_kept
+from .base import Context, ModelPass, Needs, ScorerPolicy, evict_after_prompt, first_slots
 from .registry import register
 
 _ROW_BLOCK_ELEMENTS = 1 << 22  # fp32 logits per block of replay rows (16 MB)
@@ -198,35 +197,7 @@ class KVzip(ScorerPolicy):
         return out.masked_fill(sinks, math.inf)
 
     def evict(self, run: ModelPass, scores: dict) -> None:
-        """Keep the best slots under the budget, per the allocation; slots from earlier chunks of a chunked prefill
-        stay (this chunk adds its share)."""
-        layers = run.layers()
-        n_new = run.input_ids.shape[1]
-        budgets, earlier = {}, {}
-        for i, layer in layers:
-            if run.prompt_tokens is None:
-                budgets[i], earlier[i] = layer.row_budget, None
-            else:
-                budgets[i], earlier[i] = chunk_share(layer, run.prompt_tokens, run.prompt_length, n_new)
-        if self.budget_allocation != "global":
-            for i, layer in layers:
-                evict_to_budget(layer, scores[i], budgets[i], lambda n, e=earlier[i]: e, self.budget_allocation,
-                                self.head_floor, run.shards)
-            return
-        valid = {i: layer.key_valid() for i, layer in layers}
-        # one top-k over every layer and head of the model: under tensor parallelism, every rank's heads (one
-        # all-gather per layer), each rank then keeps its own block
-        shards = run.shards
-        heads = {i: valid[i].shape[1] * shards.count for i, _ in layers}
-        total = sum(budgets[i] * heads[i] for i, _ in layers)  # [B] tokens a row keeps over all layers and heads
-        counts, priorities = global_budgets([shards.gather(scores[i]) for i, _ in layers],
-                                            [shards.gather(valid[i]) for i, _ in layers],
-                                            [shards.gather(earlier[i]) for i, _ in layers], total)
-        counts, priorities = [shards.local(c) for c in counts], [shards.local(p) for p in priorities]
-        for (i, layer), n_keep, priority in zip(layers, counts, priorities):
-            if bool((n_keep == valid[i].sum(-1)).all()) and layer.stored == int(n_keep.max()):
-                continue
-            layer.keep(*select_kept(priority, valid[i], n_keep))
+        evict_after_prompt(run, scores, self.budget_allocation, self.head_floor)
 
 
 def _gather_rows(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,426 @@
+"""Calibration, once per model: a small predictor of KVzip's scores, and a ranking of streaming vs retrieval heads.
+
+`kvpress calibrate --model NAME_OR_PATH` (or `calibrate(model, tokenizer)`) runs KVzip (context replay,
+kvpress/policies/kvzip.py) over local text: documents assembled from Python's own standard-library docstrings
+and kvpress's needle haystack, with random facts (numbers, names, codes) inserted, none of it from the evals'
+generators and nothing from a hub. It records, per compressed layer, each prompt token's attention input hidden
+state and its KVzip score per KV head, then fits per layer a predictor h -> log(score) per KV head: ridge
+regression ('linear', the default) or a 2-layer MLP ('mlp'). This is KVzap (NVIDIA, arXiv 2601.07891), fitted
+to plain KVzip scores (the signal we measured best on SmolLM2, docs/results/query_agnostic_smollm2_bf16), or to
+KVzip+ with target='kvzip_plus'.
+
+The same replay also ranks heads (DuoAttention, arXiv 2410.10819, by measurement instead of optimisation): for a
+sample of replay queries, the relative change of each KV head's attention output when it may read only the first
+`sink` tokens and the `window` newest ones. Reconstructing the context needs the heads that look far back; heads
+whose output barely changes are streaming heads.
+
+The file is safetensors (tensors + JSON metadata: the model's identity, the settings, held-out metrics); it cannot
+run code when loaded. A file made for another model is refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib
+import inspect
+import json
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+FORMAT = "kvpress-calibration-1"
+FILE_NAME = "kvpress_calibration.safetensors"  # beside the model's weights: the default place policies look
+LOG_FLOOR = 1e-6  # KVzip scores are probabilities; log(score) is fitted, floored here
+
+# Standard-library modules whose docstrings make the calibration prose (local, deterministic per Python version).
+_DOC_MODULES = ("argparse", "asyncio", "collections", "contextlib", "csv", "dataclasses", "decimal", "difflib",
+                "email", "enum", "fractions", "functools", "glob", "gzip", "heapq", "hmac", "html", "http.client",
+                "imaplib", "inspect", "ipaddress", "itertools", "json", "logging", "mailbox", "mimetypes", "operator",
+                "optparse", "pathlib", "pickle", "pprint", "queue", "random", "re", "sched", "secrets", "shlex",
+                "shutil", "smtplib", "socket", "statistics", "string", "subprocess", "tarfile", "tempfile",
+                "textwrap", "threading", "timeit", "tokenize", "typing", "unittest", "urllib.parse", "uuid",
+                "warnings", "weakref", "xml.dom", "zipfile", "zoneinfo")
+_NAMES = ("Alice", "Bruno", "Chen", "Dalia", "Emeka", "Farah", "Goran", "Hana", "Ivo", "Jun", "Kasia", "Liam",
+          "Mei", "Nikos", "Olga", "Pavel", "Quinn", "Rosa", "Sami", "Tariq", "Uma", "Viktor", "Wen", "Yara")
+_PLACES = ("Lisbon", "Osaka", "Tromso", "Quito", "Nairobi", "Tbilisi", "Perth", "Utrecht", "Cusco", "Hanoi",
+           "Bergen", "Accra", "Leipzig", "Split", "Dakar", "Cork", "Tartu", "Fez", "Hobart", "Kyoto")
+_THINGS = ("locker", "account", "parcel", "ticket", "badge", "invoice", "archive", "vault", "shipment", "permit")
+
+
+def _docstrings() -> list[str]:
+    paragraphs = []
+    for name in _DOC_MODULES:
+        try:
+            doc = inspect.getdoc(importlib.import_module(name)) or ""
+        except Exception:  # noqa: BLE001 - a module missing from this Python build just contributes nothing
+            continue
+        paragraphs += [p.replace("\n", " ").strip() for p in doc.split("\n\n") if len(p.split()) >= 8]
+    return paragraphs
+
+
+def _fact(rng: random.Random) -> str:
+    kind = rng.randrange(3)
+    if kind == 0:
+        return f"The {rng.choice(_THINGS)} number for {rng.choice(_NAMES)} is {rng.randint(100000, 9999999)}."
+    if kind == 1:
+        return f"{rng.choice(_NAMES)} moved to {rng.choice(_PLACES)} in {rng.randint(1950, 2024)}."
+    code = "".join(rng.choice("ABCDEFGHJKLMNPQRSTUVWXYZ23456789") for _ in range(8))
+    return f"Remember the {rng.choice(_THINGS)} code {code} for {rng.choice(_PLACES)}."
+
+
+def calibration_texts(tokenizer, n_texts: int, n_tokens: int, seed: int = 0) -> list[list[int]]:
+    """`n_texts` prompts of about `n_tokens` tokens each (the model's chat template around a document when it has
+    one): docstring paragraphs and haystack sentences in random order, a fact every few sentences."""
+    from .needle import haystack_sentences
+
+    paragraphs = _docstrings()
+    out = []
+    for t in range(n_texts):
+        rng = random.Random(seed * 1000 + t)
+        filler = haystack_sentences(seed * 1000 + t)
+        parts, used = [], 0
+        while used < n_tokens:
+            pick = rng.random()
+            part = rng.choice(paragraphs) if pick < 0.45 and paragraphs else _fact(rng) if pick < 0.7 else next(filler)
+            parts.append(part)
+            used += len(tokenizer.encode(" " + part, add_special_tokens=False))
+        document = " ".join(parts)
+        if getattr(tokenizer, "chat_template", None):
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": document}], add_generation_prompt=True,
+                                                tokenize=True)
+            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+        else:
+            ids = tokenizer.encode(document)
+        out.append(list(ids))
+    return out
+
+
+# ---------------------------------------------------------------------------- identity
+def model_identity(model) -> dict:
+    """What a calibration file must match: the architecture's shape and a fingerprint of the weights (the first
+    rows of the input embedding, rounded to bf16 so fp32 and bf16 loads of one checkpoint agree)."""
+    config = model.config.get_text_config(decoder=True)
+    embed = model.get_input_embeddings().weight.detach()[:256].to("cpu", torch.bfloat16).contiguous()
+    digest = hashlib.sha256(embed.view(torch.int16).numpy().tobytes()).hexdigest()[:16]
+    return dict(model_type=config.model_type, layers=config.num_hidden_layers, hidden_size=config.hidden_size,
+                kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+                weights=digest)
+
+
+def _source(model) -> str:
+    return getattr(model.config, "_name_or_path", "") or "<the model's folder>"
+
+
+def default_path(model) -> Path | None:
+    """Where a model's calibration file lives by default: beside its weights (None if it has no local folder)."""
+    folder = Path(_source(model))
+    return folder / FILE_NAME if folder.is_dir() else None
+
+
+# ---------------------------------------------------------------------------- the file
+@dataclass
+class Calibration:
+    """A per-layer predictor of KVzip scores and a per-head streaming error, for one model."""
+
+    layers: list  # layer indices (the layers kvpress compresses), in order
+    kind: str  # 'linear' | 'mlp'
+    tensors: dict  # linear: weight [L, H, K], bias [L, K]; mlp: w1 [L, H, M], b1 [L, M], w2 [L, M, K], b2 [L, K]
+    head_error: torch.Tensor  # [L, K] relative change of each head's output when it reads sinks + window only
+    identity: dict
+    settings: dict = field(default_factory=dict)
+    metrics: dict = field(default_factory=dict)
+
+    def predict(self, layer_idx: int, hidden: torch.Tensor) -> torch.Tensor:
+        """Predicted log KVzip score [B, K, T] (fp32) of tokens whose attention input is `hidden` [B, T, H]."""
+        rank = self.layers.index(layer_idx)
+        x = hidden.float()
+        t = {name: value[rank].to(x.device) for name, value in self.tensors.items()}
+        if self.kind == "linear":
+            out = x @ t["weight"] + t["bias"]
+        else:
+            out = torch.nn.functional.gelu(x @ t["w1"] + t["b1"]) @ t["w2"] + t["b2"]
+        return out.transpose(1, 2)
+
+    def streaming_heads(self, fraction: float) -> dict:
+        """{layer_idx: [K] bool}: the `fraction` of all (layer, KV head) pairs with the smallest streaming error."""
+        flat = self.head_error.flatten()
+        n = int(round(fraction * flat.numel()))
+        chosen = torch.zeros(flat.numel(), dtype=torch.bool)
+        chosen[flat.argsort(stable=True)[:n]] = True
+        chosen = chosen.view_as(self.head_error)
+        return {layer: chosen[i] for i, layer in enumerate(self.layers)}
+
+    def save(self, path) -> None:
+        from safetensors.torch import save_file
+
+        tensors = {name: t.contiguous().float() for name, t in self.tensors.items()}
+        tensors["head_error"] = self.head_error.contiguous().float()
+        meta = dict(format=FORMAT, kind=self.kind, layers=self.layers, identity=self.identity,
+                    settings=self.settings, metrics=self.metrics)
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(path), metadata={"kvpress": json.dumps(meta)})
+
+    @classmethod
+    def load(cls, path) -> "Calibration":
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            meta = json.loads((f.metadata() or {}).get("kvpress", "{}"))
+            if meta.get("format") != FORMAT:
+                raise ValueError(f"calibration={str(path)!r} is not a kvpress calibration file ({FORMAT}); make one "
+                                 f"with `kvpress calibrate --model <model> --out {path}`")
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+        head_error = tensors.pop("head_error")
+        return cls(meta["layers"], meta["kind"], tensors, head_error, meta["identity"], meta.get("settings", {}),
+                   meta.get("metrics", {}))
+
+    @classmethod
+    def for_model(cls, model, path=None, layers=None) -> "Calibration":
+        """The calibration of `model` from `path` (default: beside its weights), checked against the model; a missing
+        or mismatched file is a ValueError that names the command making the right one."""
+        path = Path(path) if path is not None else default_path(model)
+        command = f"kvpress calibrate --model {_source(model)}" + (f" --out {path}" if path is not None else "")
+        if path is None or not path.exists():
+            raise ValueError(f"calibration={None if path is None else str(path)!r}: no calibration file for this model; "
+                             f"make one with `{command}` (minutes on a CPU) or pass calibration=<file>")
+        calibration = cls.load(path)
+        identity = model_identity(model)
+        if calibration.identity != identity:
+            raise ValueError(f"calibration={str(path)!r} was made for another model ({calibration.identity}, this one "
+                             f"is {identity}); make this model's with `{command}`")
+        if layers is not None and list(layers) != calibration.layers:
+            raise ValueError(f"calibration={str(path)!r} covers layers {calibration.layers}, the model compresses "
+                             f"{list(layers)}; make this model's with `{command}`")
+        return calibration
+
+
+# ---------------------------------------------------------------------------- collecting KVzip's scores
+def _streaming_error(query, keys, values, key_pos, query_pos, valid, scaling, sink, window) -> torch.Tensor:
+    """[B, K] mean over query rows and each GQA group of ||o - o'||^2 / ||o||^2, where o is the causal attention
+    output and o' the same query reading only its row's first `sink` positions and its `window` newest ones."""
+    batch, hq, rows, dim = query.shape
+    hkv = keys.shape[1]
+    q = query.float().reshape(batch, hkv, hq // hkv, rows, dim) * scaling
+    logits = torch.einsum("bhgrd,bhkd->bhgrk", q, keys.float())
+    key_pos, query_pos = key_pos[:, :, None, None, :], query_pos[:, None, None, :, None]
+    causal = valid[:, :, None, None, :] & (key_pos <= query_pos)
+    near = (key_pos < sink) | (key_pos > query_pos - window)
+    v = values.float()
+    full = torch.einsum("bhgrk,bhkd->bhgrd", logits.masked_fill(~causal, -math.inf).softmax(-1), v)
+    part = torch.einsum("bhgrk,bhkd->bhgrd", logits.masked_fill(~(causal & near), -math.inf).softmax(-1), v)
+    error = (full - part).pow(2).sum(-1) / full.pow(2).sum(-1).clamp(min=1e-12)
+    return error.mean(dim=(2, 3))
+
+
+def _recorder_class():
+    from .policies.base import Context, ModelPass, Needs
+    from .policies.kvzip import KVzip
+
+    @dataclass
+    class Recorder(KVzip):
+        """KVzip that evicts nothing and hands its evidence to `sink` (calibration only; never registered)."""
+
+        name = "kvzip"
+        sink: dict = field(default=None, repr=False, compare=False)
+        sample_rows: int = 64
+        head_sink: int = 4
+        head_window: int = 256
+
+        def needs(self) -> Needs:
+            return super().needs() | Needs(hidden_states=True)
+
+        def observe(self, ctx: Context) -> None:
+            if ctx.phase == "prefill":
+                self.sink["hidden"][ctx.layer_idx] = ctx.hidden_states[0].to("cpu", torch.bfloat16)
+
+        def _chunk_scores(self, ctx: Context, chunk, seen: int):
+            layer = ctx.layer
+            rows = ctx.q_len
+            pick = torch.linspace(0, rows - 1, min(rows, self.sample_rows), device=ctx.query.device).round().long()
+            query_pos = ctx.query_positions()[pick][None].expand(ctx.query.shape[0], -1)
+            error = _streaming_error(ctx.query[:, :, pick], layer.keys_view(), layer.values_view(),
+                                     layer.key_positions().long(), query_pos, layer.key_valid(), ctx.scaling,
+                                     self.head_sink, self.head_window)
+            self.sink["head_error"].setdefault(ctx.layer_idx, []).append(error[0].cpu())
+            return super()._chunk_scores(ctx, chunk, seen)
+
+        def evict(self, run: ModelPass, scores: dict) -> None:
+            self.sink["scores"] = {i: s[0].cpu() for i, s in scores.items()}
+
+    return Recorder
+
+
+def collect(model, tokenizer, texts: list, target: str = "kvzip", chunk_size: int = 2048, head_sink: int = 4,
+            head_window: int = 256, log=print) -> list:
+    """Per text: {'hidden': {layer: [T, H] bf16}, 'scores': {layer: [K, T] fp32 KVzip scores},
+    'head_error': {layer: [K]}}. The model is patched for the duration only."""
+    from . import patch_model
+    from .cache import KVPressCache
+
+    recorder = _recorder_class()
+    out = []
+    for n, ids in enumerate(texts):
+        sink = {"hidden": {}, "head_error": {}}
+        policy = recorder(compression_ratio=0.0, chunk_size=chunk_size, kvzip_plus=target == "kvzip_plus",
+                          tokenizer=tokenizer, sink=sink, head_sink=head_sink, head_window=head_window)
+        device = next(model.parameters()).device
+        with torch.no_grad(), patch_model(model, policy):
+            model(input_ids=torch.tensor([ids], device=device), past_key_values=KVPressCache(model.config),
+                  use_cache=True, logits_to_keep=1)
+        sink["head_error"] = {i: torch.stack(e).mean(0) for i, e in sink["head_error"].items()}
+        out.append(sink)
+        log(f"  text {n + 1}/{len(texts)}: {len(ids)} tokens")
+    return out
+
+
+# ---------------------------------------------------------------------------- fitting
+def _design(records, layer, n_sink, tokens_per_text, seed):
+    xs, ys = [], []
+    gen = torch.Generator().manual_seed(seed)
+    for r in records:
+        hidden, scores = r["hidden"][layer].float(), r["scores"][layer]
+        length = hidden.shape[0]
+        pick = n_sink + torch.randperm(length - n_sink, generator=gen)[:tokens_per_text]
+        xs.append(hidden[pick])
+        ys.append(scores[:, pick].clamp(min=LOG_FLOOR).log().T)
+    return torch.cat(xs), torch.cat(ys)
+
+
+def _fit_linear(x, y, ridge):
+    ones = torch.ones(x.shape[0], 1)
+    a = torch.cat([x, ones], 1).double()
+    gram = a.T @ a
+    penalty = ridge * gram.diagonal()[:-1].mean() * torch.eye(gram.shape[0], dtype=gram.dtype)
+    penalty[-1, -1] = 0  # the bias is not shrunk
+    w = torch.linalg.solve(gram + penalty, a.T @ y.double()).float()
+    return {"weight": w[:-1], "bias": w[-1]}
+
+
+def _fit_mlp(x, y, hidden, steps, seed):
+    torch.manual_seed(seed)
+    net = torch.nn.Sequential(torch.nn.Linear(x.shape[1], hidden), torch.nn.GELU(), torch.nn.Linear(hidden, y.shape[1]))
+    with torch.no_grad():
+        net[2].bias.copy_(y.mean(0))
+    opt = torch.optim.Adam(net.parameters(), lr=3e-3)
+    batch = 2048
+    gen = torch.Generator().manual_seed(seed)
+    with torch.enable_grad():
+        for step in range(steps):
+            pick = torch.randint(0, x.shape[0], (min(batch, x.shape[0]),), generator=gen)
+            loss = torch.nn.functional.mse_loss(net(x[pick]), y[pick])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return {"w1": net[0].weight.detach().T.contiguous(), "b1": net[0].bias.detach(),
+            "w2": net[2].weight.detach().T.contiguous(), "b2": net[2].bias.detach()}
+
+
+def _rank(x: torch.Tensor) -> torch.Tensor:
+    return x.argsort(-1).argsort(-1).float()
+
+
+def _metrics(calibration: Calibration, records, n_sink: int, keep: float = 0.25) -> dict:
+    """Held-out agreement with KVzip: Spearman rank correlation and top-`keep` overlap per (layer, KV head), and
+    the overlap of one top-`keep` over every layer and head (the 'global' allocation)."""
+    spearman, overlap, global_overlap = [], [], []
+    for r in records:
+        true_all, pred_all = [], []
+        for layer in calibration.layers:
+            true = r["scores"][layer][:, n_sink:].clamp(min=LOG_FLOOR).log()
+            pred = calibration.predict(layer, r["hidden"][layer][None].float())[0][:, n_sink:]
+            true_all.append(true.flatten())
+            pred_all.append(pred.flatten())
+            rt, rp = _rank(true), _rank(pred)
+            rt, rp = rt - rt.mean(-1, keepdim=True), rp - rp.mean(-1, keepdim=True)
+            spearman += ((rt * rp).sum(-1) / (rt.norm(dim=-1) * rp.norm(dim=-1)).clamp(min=1e-12)).tolist()
+            k = max(1, int(keep * true.shape[-1]))
+            top_t = torch.zeros_like(true, dtype=torch.bool).scatter_(-1, true.topk(k, -1).indices, True)
+            top_p = torch.zeros_like(pred, dtype=torch.bool).scatter_(-1, pred.topk(k, -1).indices, True)
+            overlap += ((top_t & top_p).sum(-1).float() / k).tolist()
+        true_all, pred_all = torch.cat(true_all), torch.cat(pred_all)
+        k = max(1, int(keep * true_all.numel()))
+        top_t = set(true_all.topk(k).indices.tolist())
+        global_overlap.append(len(top_t & set(pred_all.topk(k).indices.tolist())) / k)
+    mean = lambda v: round(sum(v) / len(v), 4)  # noqa: E731
+    return {"spearman": mean(spearman), f"top{int(keep * 100)}_overlap": mean(overlap),
+            f"global_top{int(keep * 100)}_overlap": mean(global_overlap), "held_out_texts": len(records)}
+
+
+def calibrate(model, tokenizer, kind: str = "linear", target: str = "kvzip", n_texts: int = 16,
+              n_tokens: int = 2048, held_out: int = 4, tokens_per_text: int = 768, mlp_hidden: int = 32,
+              mlp_steps: int = 600, ridge: float = 1e-3, n_sink: int = 4, head_window: int = 256, seed: int = 0,
+              log=print) -> Calibration:
+    """Run KVzip over `n_texts` local texts of about `n_tokens` tokens, fit the predictor on all but the last
+    `held_out` texts and report its agreement with KVzip on those."""
+    if kind not in ("linear", "mlp"):
+        raise ValueError(f"kind={kind!r}; allowed values: 'linear', 'mlp'")
+    if target not in ("kvzip", "kvzip_plus"):
+        raise ValueError(f"target={target!r}; allowed values: 'kvzip', 'kvzip_plus'")
+    if not (isinstance(n_texts, int) and isinstance(held_out, int) and 1 <= held_out < n_texts):
+        raise ValueError(f"n_texts={n_texts!r}, held_out={held_out!r}; allowed values: ints with 1 <= held_out < n_texts")
+    start = time.perf_counter()
+    texts = calibration_texts(tokenizer, n_texts, n_tokens, seed)
+    log(f"calibrating {_source(model)}: KVzip over {n_texts} local texts of ~{n_tokens} tokens")
+    records = collect(model, tokenizer, texts, target, head_sink=n_sink, head_window=head_window, log=log)
+    settings = dict(target=target, texts=n_texts, tokens=n_tokens, head_window=head_window, seed=seed,
+                    source="stdlib docstrings + needle haystack + random facts")
+    calibration = fit(records, model_identity(model), kind, held_out, tokens_per_text, mlp_hidden, mlp_steps, ridge,
+                      n_sink, seed, settings)
+    calibration.metrics["seconds"] = round(time.perf_counter() - start, 1)
+    log(f"held-out agreement with KVzip: {calibration.metrics}")
+    return calibration
+
+
+def fit(records: list, identity: dict, kind: str = "linear", held_out: int = 1, tokens_per_text: int = 768,
+        mlp_hidden: int = 32, mlp_steps: int = 600, ridge: float = 1e-3, n_sink: int = 4, seed: int = 0,
+        settings: dict | None = None) -> Calibration:
+    """Fit the per-layer predictors on `records` (collect's output) but the last `held_out`, and measure them on
+    those."""
+    layers = sorted(records[0]["scores"])
+    train, test = records[:-held_out], records[-held_out:]
+    per_layer = []
+    for layer in layers:
+        x, y = _design(train, layer, n_sink, tokens_per_text, seed)
+        per_layer.append(_fit_linear(x, y, ridge) if kind == "linear" else _fit_mlp(x, y, mlp_hidden, mlp_steps, seed))
+    tensors = {name: torch.stack([p[name] for p in per_layer]) for name in per_layer[0]}
+    head_error = torch.stack([torch.stack([r["head_error"][layer] for r in records]).mean(0) for layer in layers])
+    settings = dict(settings or {}, held_out=held_out, tokens_per_text=tokens_per_text, ridge=ridge,
+                    mlp_hidden=mlp_hidden if kind == "mlp" else None, n_sink=n_sink)
+    calibration = Calibration(layers, kind, tensors, head_error, identity, settings)
+    calibration.metrics = _metrics(calibration, test, n_sink)
+    return calibration
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="kvpress calibrate", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True, help="a local model folder, or a name from kvpress.models "
+                                                       "(smollm2, gemma3)")
+    parser.add_argument("--out", default=None, help=f"output file (default: <model folder>/{FILE_NAME})")
+    parser.add_argument("--kind", default="linear", choices=("linear", "mlp"))
+    parser.add_argument("--target", default="kvzip", choices=("kvzip", "kvzip_plus"))
+    parser.add_argument("--texts", type=int, default=16)
+    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    args = parser.parse_args(argv)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .models import MODELS, model_path
+
+    source = str(model_path(args.model)) if args.model in MODELS else args.model
+    torch.set_grad_enabled(False)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, args.dtype)).eval()
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    calibration = calibrate(model, tokenizer, kind=args.kind, target=args.target, n_texts=args.texts,
+                            n_tokens=args.tokens)
+    out = Path(args.out) if args.out else Path(source) / FILE_NAME
+    calibration.save(out)
+    print(f"wrote {out} ({out.stat().st_size / 1024:.0f} KiB)")
+
+
+if __name__ == "__main__":
+    main()

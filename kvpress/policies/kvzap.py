@@ -1,0 +1,97 @@
+"""KVzap (NVIDIA, arXiv 2601.07891): KVzip's selection without its replay. A per-layer predictor, fitted once per
+model by `kvpress calibrate` (kvpress/calibration.py), maps each token's attention input hidden state to its
+predicted log KVzip score per KV head. The prediction is made when the token enters the cache (prompt, chunk or
+decode step) and kept as per-slot state, so prefill, chunked prefill and decode_budget all score with it at the
+cost of one small matmul per layer. Sinks (the first `n_sink` tokens) are always kept.
+
+Budgets as KVzip: 'global' (default) runs one top-k over every (layer, KV head, slot) after the prompt, so layers
+and heads keep different counts (the predicted scores estimate KVzip's, which are comparable across layers);
+'uniform', 'pyramid' and 'adaptive' cut each layer at prefill.
+
+`calibration`: a file path, or None for the file beside the model's weights (`kvpress calibrate --model PATH`
+writes it there); a missing file, or one made for another model, is refused at patch time with the command to
+run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+
+from ..heads import HeadShards
+from .base import Context, ModelInfo, ModelPass, Needs, ScorerPolicy, evict_after_prompt, first_slots
+from .registry import register
+
+_STATE = "kvzap_predicted"
+
+
+@register
+@dataclass
+class KVzap(ScorerPolicy):
+    name = "kvzap"
+    budget_allocation: str = "global"
+    n_sink: int = 4
+    calibration: str | None = None
+    predictor: object = field(default=None, repr=False, compare=False)  # the loaded Calibration (for_model)
+    allocations: ClassVar[tuple] = ("global", "uniform", "pyramid", "adaptive")
+
+    def validate(self) -> None:
+        super().validate()
+        if self.n_sink < 0:
+            raise ValueError(f"kvzap: n_sink={self.n_sink!r}; allowed values: an int >= 0")
+
+    def needs(self) -> Needs:
+        return super().needs() | Needs(hidden_states=True, model_pass=self.budget_allocation == "global")
+
+    def for_model(self, model: ModelInfo) -> "KVzap":
+        from ..calibration import Calibration
+
+        layers = [m.layer_idx for m in model.modules]
+        if self.predictor is not None:
+            return self
+        return dataclasses.replace(self, predictor=Calibration.for_model(model.model, self.calibration, layers))
+
+    def observe(self, ctx: Context) -> None:
+        # predict the new tokens' scores once, when they enter the cache (they sit at the end of the view); after
+        # the prompt only decode_budget scores again
+        if ctx.phase != "prefill" and self.decode_budget is None:
+            return
+        predicted = self.predictor.predict(ctx.layer_idx, ctx.hidden_states)  # [B, Hkv, q_len]
+        state = ctx.layer.get_state(_STATE)
+        if state is None:
+            state = predicted.new_zeros(ctx.layer.key_valid().shape)
+        state = state.clone()
+        # under tensor parallelism the hidden states are whole and the layer holds a block of the KV heads
+        state[..., -ctx.q_len:] = HeadShards.of(ctx.layer.num_kv_heads, predicted.shape[1]).local(predicted)
+        ctx.layer.set_state(_STATE, state)
+
+    def score(self, ctx: Context) -> torch.Tensor:
+        return _with_sinks(ctx.layer, ctx.layer.get_state(_STATE), self.n_sink)
+
+    def on_prefill(self, ctx: Context) -> None:
+        if self.budget_allocation == "global":
+            self.start_budget(ctx)  # the cut comes after every layer has seen the prompt (after_prefill)
+            return
+        super().on_prefill(ctx)
+        self._release(ctx.layer)
+
+    def after_prefill(self, run: ModelPass) -> None:
+        scores = {i: _with_sinks(layer, layer.get_state(_STATE), self.n_sink) for i, layer in run.layers()}
+        evict_after_prompt(run, scores, self.budget_allocation, self.head_floor)
+        for _, layer in run.layers():
+            self._release(layer)
+
+    def _release(self, layer) -> None:
+        # Slots kept from the prompt (or from earlier chunks) are never scored again, so without decode_budget the
+        # predictions are dropped: they would cost 4 bytes per slot and head for nothing.
+        if self.decode_budget is None:
+            layer.drop_state(_STATE)
+
+
+def _with_sinks(layer, scores: torch.Tensor, n_sink: int) -> torch.Tensor:
+    sinks = first_slots(layer, torch.full(scores.shape[:2], n_sink, device=scores.device))
+    return scores.masked_fill(sinks, math.inf)
