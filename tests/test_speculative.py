@@ -182,6 +182,42 @@ def test_sparse_gather_attention_equals_dense_restricted(B, HKV, G, R, T, K):
     torch.testing.assert_close(finish(tri, queries), dense, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("window, softcap, rows", [(None, None, 1), (20, None, 3), (None, 30.0, 2), (None, None, 6),
+                                                   (20, 30.0, 7)])
+def test_flat_runs_read_in_place_equal_dense_attention_per_head(window, softcap, rows):
+    """A flat store of ragged per-(row, head) runs (one empty: it contributes nothing, its state stays empty), read
+    in place on CPU (every run at once for up to 4 query rows, run by run beyond), equals a dense masked softmax over each head's own run; and the Triton path
+    over the same runs agrees."""
+    from kvpress.kernels.sparse_attention import flat_attention_state
+
+    torch.manual_seed(rows)
+    B, HKV, G, D = 2, 3, 2, 16
+    lengths = torch.tensor([[30, 0, 17], [5, 41, 23]])
+    n = int(lengths.sum())
+    keys, values = torch.randn(n, D), torch.randn(n, D)
+    positions = torch.cat([torch.randperm(60)[:int(k)].sort().values for k in lengths.flatten()])
+    starts = (lengths.flatten().cumsum(0) - lengths.flatten()).view_as(lengths)
+    q, qpos = torch.randn(B, HKV * G, rows, D), torch.arange(60, 60 + rows) - 2
+    queries = Queries(q, qpos, D ** -0.5, softcap, window)
+    state = flat_attention_state(queries, keys, values, positions, starts, lengths, use_triton=False)
+    assert bool((state[0][0, 1] == float("-inf")).all()) and bool((state[1][0, 1] == 0).all())
+    out = finish(state, queries)
+    for b in range(B):
+        for h in range(HKV):
+            if lengths[b, h] == 0:
+                continue
+            run = slice(int(starts[b, h]), int(starts[b, h] + lengths[b, h]))
+            logits = torch.einsum("grd,nd->grn", q[b, h * G:(h + 1) * G], keys[run]) * D ** -0.5
+            if softcap is not None:
+                logits = torch.tanh(logits / softcap) * softcap
+            allowed = allowed_mask(qpos, positions[run].view(1, 1, -1), None, window)[0, 0]
+            probs = logits.masked_fill(~allowed, float("-inf")).softmax(-1).nan_to_num(0.0)
+            torch.testing.assert_close(out[b, h * G:(h + 1) * G], probs @ values[run], atol=1e-5, rtol=1e-5)
+    if softcap is None:
+        tri = finish(flat_attention_state(queries, keys, values, positions, starts, lengths, use_triton=True), queries)
+        torch.testing.assert_close(tri.nan_to_num(0.0), out.nan_to_num(0.0), atol=1e-5, rtol=1e-5)
+
+
 def test_quest_page_score_bounds_every_key_in_the_page():
     from kvpress.policies.sparse import page_stats
     from kvpress import KVPressLayer

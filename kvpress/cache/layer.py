@@ -11,7 +11,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from ..kernels.online_softmax import Queries, dense_attention_state, empty_state, finish
 from ..kernels.quant_attention import flat_lowbit_attention_state, lowbit_attention_state
-from ..kernels.sparse_attention import Selection, sparse_attention, sparse_attention_state
+from ..kernels.sparse_attention import flat_attention_state, sparse_attention
 from .codecs import LowBitCodes
 from .segments import FullPrecision, Segment, dense
 
@@ -403,9 +403,15 @@ class KVPressLayer(CacheLayerMixin):
         """Evict one slot per (row, KV head) without copying the layer: the newest slot (the tail's last, just
         appended) is written into `victims` [B, Hkv] (a victim that is the newest slot itself is simply dropped),
         and the tail shrinks by one. Slots then no longer follow position order. Returns False, changing nothing,
-        when the storage cannot do it in place (several segments, or a buffer this layer does not own)."""
-        if len(self.segments) != 1 or self.tail.flat or self.tail.data.room is None or self.tail.num_slots < 2:
+        when the storage cannot do it in place (a victim outside the full-precision tail, a flat tail, or a buffer
+        this layer does not own). Earlier segments (flat runs, low-bit codes) may precede the tail: decode_budget
+        evicts generated tokens, which all sit in the tail."""
+        if self.tail.flat or self.tail.data.room is None or self.tail.num_slots < 2:
             return False
+        offset = self._offsets()[-1]
+        if bool((victims < offset).any()):
+            return False
+        victims = victims - offset
         tail = self.tail
         batch, heads = self._shape()
         last = tail.num_slots - 1
@@ -526,9 +532,9 @@ class KVPressLayer(CacheLayerMixin):
                 state = lowbit_attention_state(queries, segment.data, positions, segment.valid, state, precision,
                                                use_triton)
             elif segment.flat:
-                indices, ok = segment.grid()
-                state = sparse_attention_state(queries, segment.data.keys[0, 0], segment.data.values[0, 0],
-                                               segment.positions[0, 0], Selection(indices, ok), state, use_triton)
+                state = flat_attention_state(queries, segment.data.keys[0, 0], segment.data.values[0, 0],
+                                             segment.positions[0, 0], segment.starts(), segment.lengths, state,
+                                             use_triton)
             else:
                 state = dense_attention_state(queries, segment.data.keys, segment.data.values, positions,
                                               segment.valid, state)
