@@ -263,3 +263,12 @@ def test_question_inputs_are_checked():
     with pytest.raises(ValueError, match="question_ids="):
         KVPressCache(model.config, question_ids=torch.zeros(4))
     assert model.config._attn_implementation == "sdpa"
+    ids = torch.randint(3, 128, (1, 30))
+    with kvpress.patch_model(model, "snapkv", compression_ratio=0.5):  # one-shot: the question would be ignored
+        with pytest.raises(ValueError, match="prefill_chunk_size"):
+            model(ids, past_key_values=KVPressCache(model.config, question_ids=ids[:, -5:]))
+    with kvpress.patch_model(model, "none", prefill_chunk_size=64):  # a prompt shorter than a chunk still hears it
+        cache = KVPressCache(model.config, question_ids=torch.randint(3, 128, (1, 5)))
+        with record_held_tokens() as held:
+            model(ids, past_key_values=cache)
+        assert max(held) == 30 + 5 and cache.get_seq_length() == 30

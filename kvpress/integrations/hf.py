@@ -198,6 +198,10 @@ class Patch:
             raise ValueError(
                 f"past_key_values={type(cache).__name__}: a kvpress-patched model compresses only a KVPressCache; "
                 f"allowed values: kvpress.KVPressCache(model.config), or None (generate then makes one)")
+        if isinstance(cache, KVPressCache) and cache.question_ids is not None and self.prefill_chunk_size is None:
+            raise ValueError("KVPressCache(question_ids=...) gives the question to a chunked prefill, but this patch "
+                             "prefills in one shot; allowed: patch_model(..., prefill_chunk_size=<int>), or a cache "
+                             "without question_ids (a one-shot prefill judges the prompt with its own last tokens)")
         if isinstance(cache, KVPressCache):
             cache.set_attention_mask(kwargs.get("attention_mask"))
             cache.prefilling = cache.probe is None and cache.get_seq_length() == 0
@@ -296,7 +300,8 @@ class Patch:
             mask = kwargs.get("attention_mask")
             keep = kwargs.get("logits_to_keep", 0)
             if (args or not isinstance(cache, KVPressCache) or cache.get_seq_length() != 0 or tokens is None
-                    or tokens.shape[1] <= chunk or (mask is not None and mask.dim() != 2)
+                    or (tokens.shape[1] <= chunk and cache.question_ids is None)  # one chunk, no question to add
+                    or (mask is not None and mask.dim() != 2)
                     or not isinstance(keep, int)):
                 return forward(*args, **kwargs)  # not a prompt we can split: one shot
             return self._chunked_prefill(forward, cache, chunk, tokens.shape[0], tokens.shape[1], mask, keep,
@@ -309,7 +314,7 @@ class Patch:
         hook and the model-level hook runs once, so the cache holds at most budget + one chunk. Budgets follow the
         whole prompt's length (see chunk_share in policies/base.py). With a known question (question_tokens, or
         the cache's question_ids), chunks that do not already end with it get it appended as observation queries:
-        the policy judges the chunk with them (kept through its eviction), then every layer forgets them.
+        the policy judges the chunk with them (they are never kept), then every layer forgets them.
         Returns the last forward's output, with the logits the caller asked for (logits_to_keep: 0 = all)."""
         real = mask.sum(-1) if mask is not None else torch.full((batch,), length)
         ids = kwargs.get("input_ids")
