@@ -573,8 +573,13 @@ class KVPressLayer(CacheLayerMixin):
             out = sparse_attention(queries, keys, self.values_view(), self.key_positions(), read.select())
             return out.transpose(1, 2).contiguous()
         if len(self.segments) > 1 or self.tail.flat:
-            # low-bit codes or flat runs: each segment through its own kernel, one softmax
-            return self.attention(queries, read.precision).transpose(1, 2).contiguous()
+            # low-bit codes or flat runs: each segment through its own kernel, one softmax. Long queries (a chunk of
+            # a chunked prefill, a model-level probe's replay) run in row blocks: the kernels write out rows x slots
+            # logits, which for 2K rows over 4K slots would be hundreds of MB.
+            rows = queries.values.shape[2]
+            outs = [self.attention(queries.rows(start, start + _MASK_ROWS), read.precision)
+                    for start in range(0, rows, _MASK_ROWS)]
+            return (outs[0] if len(outs) == 1 else torch.cat(outs, 2)).transpose(1, 2).contiguous()
         keys = self.tail.data.keys if read.keys is None else read.keys
         if not self.compacted:
             return base(queries.values, keys, self.tail.data.values, None)
