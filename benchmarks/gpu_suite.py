@@ -685,6 +685,16 @@ def e2e_policies(context: int):
     ]
 
 
+def timed_prefill(model, ids, cache):
+    """(logits, seconds) of one prefill into `cache`, the CUDA peak-memory counter reset at its start."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    logits = model(input_ids=ids, past_key_values=cache, logits_to_keep=1).logits
+    torch.cuda.synchronize()
+    return logits, time.perf_counter() - start
+
+
 def prefill_and_decode(model, policy, params, batch, context, chunk, steps, warmup, deadline):
     """One configuration: prefill (one shot when chunk is None), then `steps` timed decode steps (none if 0)."""
     ids = torch.randint(0, model.config.vocab_size, (batch, context), device="cuda")
@@ -693,12 +703,8 @@ def prefill_and_decode(model, policy, params, batch, context, chunk, steps, warm
     try:
         with torch.no_grad(), kvpress.patch_model(model, policy, prefill_chunk_size=chunk, **params):
             cache = KVPressCache(model.config)
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            start = time.perf_counter()
-            logits = model(input_ids=ids, past_key_values=cache, logits_to_keep=1).logits
-            torch.cuda.synchronize()
-            row.update(prefill_s=time.perf_counter() - start, peak_gib=torch.cuda.max_memory_allocated() / GIB,
+            logits, seconds = timed_prefill(model, ids, cache)
+            row.update(prefill_s=seconds, peak_gib=torch.cuda.max_memory_allocated() / GIB,
                        kv_gib_after_prefill=cache.nbytes() / GIB)
             if steps:
                 token = logits[:, -1].argmax(-1, keepdim=True)
@@ -890,12 +896,8 @@ def _long_attempt(model, policy, params, context, chunk, new, deadline, row):
     try:
         with torch.no_grad(), kvpress.patch_model(model, policy, prefill_chunk_size=chunk, **params):
             cache = KVPressCache(model.config)
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            start = time.perf_counter()
-            logits = model(input_ids=ids, past_key_values=cache, logits_to_keep=1).logits
-            torch.cuda.synchronize()
-            row.update(prefill_s=time.perf_counter() - start, kv_gib=cache.nbytes() / GIB)
+            logits, seconds = timed_prefill(model, ids, cache)
+            row.update(prefill_s=seconds, kv_gib=cache.nbytes() / GIB)
             token = logits[:, -1].argmax(-1, keepdim=True)
             row["decoded"] = 0
             start = time.perf_counter()

@@ -91,12 +91,11 @@ def calibration_texts(tokenizer, n_texts: int, n_tokens: int, seed: int = 0) -> 
             used += len(tokenizer.encode(" " + part, add_special_tokens=False))
         document = " ".join(parts)
         if getattr(tokenizer, "chat_template", None):
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": document}], add_generation_prompt=True,
-                                                tokenize=True)
-            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+            text = tokenizer.apply_chat_template([{"role": "user", "content": document}], add_generation_prompt=True,
+                                                 tokenize=False)
+            out.append(list(tokenizer.encode(text, add_special_tokens=False)))
         else:
-            ids = tokenizer.encode(document)
-        out.append(list(ids))
+            out.append(list(tokenizer.encode(document)))
     return out
 
 
@@ -134,12 +133,17 @@ class Calibration:
     identity: dict
     settings: dict = field(default_factory=dict)
     metrics: dict = field(default_factory=dict)
+    # per-layer predictor weights per device, moved there on first use (not at every decode step)
+    _placed: dict = field(default_factory=dict, repr=False, compare=False)
 
     def predict(self, layer_idx: int, hidden: torch.Tensor) -> torch.Tensor:
         """Predicted log KVzip score [B, K, T] (fp32) of tokens whose attention input is `hidden` [B, T, H]."""
-        rank = self.layers.index(layer_idx)
         x = hidden.float()
-        t = {name: value[rank].to(x.device) for name, value in self.tensors.items()}
+        key = (layer_idx, x.device)
+        if key not in self._placed:
+            rank = self.layers.index(layer_idx)
+            self._placed[key] = {name: value[rank].to(x.device) for name, value in self.tensors.items()}
+        t = self._placed[key]
         if self.kind == "linear":
             out = x @ t["weight"] + t["bias"]
         else:

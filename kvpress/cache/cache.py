@@ -56,6 +56,7 @@ class KVPressCache(Cache):
         # with it appended as observation queries, then they are forgotten (Patch._chunked_prefill)
         self.question_ids = question_ids
         self.observers = 0  # the forward in flight ends with this many observation tokens (dropped after it)
+        self._recording: list = []  # stock sliding layers recording their past for those tokens
         self.prefilling = False  # the forward in flight is a prompt forward (set by the patch's model hooks)
         self.prefill_nbytes: int | None = None  # bytes held right after the prompt (recorded by the patch)
         self.prefill_kv_nbytes: int | None = None
@@ -86,9 +87,10 @@ class KVPressCache(Cache):
         (chunk_share), and forget_observers() drops them after the forward. Stock sliding layers record their past
         meanwhile, so they can give those tokens back."""
         self.observers = n
-        for layer in self.layers:
-            if not isinstance(layer, KVPressLayer) and hasattr(layer, "record_past"):
-                layer.record_past = True
+        self._recording = [layer for layer in self.layers
+                           if isinstance(layer, DynamicSlidingWindowLayer) and not layer.record_past]
+        for layer in self._recording:
+            layer.record_past = True
 
     def forget_observers(self) -> None:
         """Drop the observation tokens of the forward that just ran from every layer (seen steps back)."""
@@ -98,8 +100,9 @@ class KVPressCache(Cache):
                 layer.forget_newest(n)
             elif getattr(layer, "is_initialized", False):
                 layer.crop(-n)
-                if hasattr(layer, "record_past"):
-                    layer.record_past = False
+        for layer in self._recording:  # only the layers observe_next switched on (speculation may hold others)
+            layer.record_past = False
+        self._recording = []
         if self._token_mask is not None:
             self._token_mask = self._token_mask[:, :-n]
 

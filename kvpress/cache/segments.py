@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..kernels.sparse_attention import run_grid
 from .codecs import LowBitCodes
 
 
@@ -170,10 +171,7 @@ class Segment:
     def grid(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Flat layout: (indices [B, Hkv, W] into the store, ok [B, Hkv, W]); entries past a run are clamped to a
         real slot and marked not ok."""
-        rank = torch.arange(self.width, device=self.lengths.device)
-        ok = rank < self.lengths[..., None]
-        indices = (self.starts()[..., None] + rank).clamp(max=max(self.num_slots - 1, 0))
-        return torch.where(ok, indices, 0), ok
+        return run_grid(self.starts(), self.lengths, self.width, self.num_slots)
 
     # -- the padded view
     def view(self, tensor: torch.Tensor, fill=0) -> torch.Tensor:

@@ -366,16 +366,16 @@ class Patch:
 
     def _question(self, cache, ids, length, batch):
         """(question ids [B, n] or None, the prompt position from which chunks already hold it)."""
+        if cache.question_ids is None and self.question_tokens is None:
+            return None, length + 1
+        if ids is None:  # the question is appended to each chunk as token ids
+            raise ValueError("a question for a chunked prefill (question_tokens, or KVPressCache(question_ids=...)) "
+                             "needs the prompt as input_ids; allowed: input_ids, not inputs_embeds")
         if cache.question_ids is not None:
             question = cache.question_ids
-            if question.dim() != 2 or question.shape[0] not in (1, batch):
+            if question.shape[0] not in (1, batch):
                 raise ValueError(f"question_ids of shape {tuple(question.shape)}; allowed: [1, n] or [batch={batch}, n]")
-            return question.to(ids.device if ids is not None else question.device).expand(batch, -1), length + 1
-        if self.question_tokens is None:
-            return None, length + 1
-        if ids is None:
-            raise ValueError("question_tokens reads the question from the prompt's input_ids; feed input_ids (not "
-                             "inputs_embeds), or pass the question as KVPressCache(config, question_ids=...)")
+            return question.to(ids.device).expand(batch, -1), length + 1
         n = min(self.question_tokens, length)
         return ids[:, length - n:], length - n
 
@@ -420,8 +420,6 @@ def _with_observers(step: dict, question: torch.Tensor, question_positions: torc
     RoPE positions the question really has (the prompt's end): the question then weighs each chunk as it would
     weigh it in a one-shot prefill (RoPE distances included). They are real tokens of every row."""
     step, n = dict(step), question.shape[1]
-    if step.get("input_ids") is None:
-        raise ValueError("a question for a chunked prefill needs the prompt as input_ids (not inputs_embeds)")
     step["input_ids"] = torch.cat([step["input_ids"], question.to(step["input_ids"])], 1)
     positions = step.get("position_ids")
     if positions is None:

@@ -57,6 +57,15 @@ def sparse_attention_state(queries: Queries, keys, values, positions, selection:
     return part if state is None else merge_states(state, part)
 
 
+def run_grid(starts: torch.Tensor, lengths: torch.Tensor, width: int, num_slots: int):
+    """(indices [B, Hkv, width] into a flat store of `num_slots`, ok [B, Hkv, width]) of the per-(row, head) runs
+    starting at `starts` with `lengths` slots; entries past a run point at slot 0 and are not ok."""
+    rank = torch.arange(width, device=lengths.device)
+    ok = rank < lengths[..., None]
+    indices = (starts[..., None] + rank).clamp(max=max(num_slots - 1, 0))
+    return torch.where(ok, indices, 0), ok
+
+
 def flat_attention_state(queries: Queries, keys, values, positions, starts: torch.Tensor, lengths: torch.Tensor,
                          state: State | None = None, use_triton: bool | None = None) -> State:
     """Attention over a flat store ([N, D] keys/values, [N] positions) whose (row, KV head) runs start at `starts`
@@ -68,10 +77,9 @@ def flat_attention_state(queries: Queries, keys, values, positions, starts: torc
     if use_triton is None:
         use_triton = queries.values.is_cuda and triton_sparse.available() and queries.softcap is None
     if use_triton:
-        rank = torch.arange(int(lengths.max()) if lengths.numel() else 0, device=lengths.device)
-        ok = rank < lengths[..., None]
-        indices = torch.where(ok, (starts[..., None] + rank).clamp(max=max(keys.shape[0] - 1, 0)), 0)
-        return sparse_attention_state(queries, keys, values, positions, Selection(indices, ok), state, True)
+        width = int(lengths.max()) if lengths.numel() else 0
+        return sparse_attention_state(queries, keys, values, positions,
+                                      Selection(*run_grid(starts, lengths, width, keys.shape[0])), state, True)
     if queries.values.shape[2] <= _VECTOR_ROWS:
         part = _flat_runs_vectorised(queries, keys, values, positions, lengths)
         return part if state is None else merge_states(state, part)

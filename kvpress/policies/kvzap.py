@@ -50,9 +50,9 @@ class KVzap(ScorerPolicy):
     def for_model(self, model: ModelInfo) -> "KVzap":
         from ..calibration import Calibration
 
-        layers = [m.layer_idx for m in model.modules]
         if self.predictor is not None:
             return self
+        layers = [m.layer_idx for m in model.modules]
         return dataclasses.replace(self, predictor=Calibration.for_model(model.model, self.calibration, layers))
 
     def observe(self, ctx: Context) -> None:
