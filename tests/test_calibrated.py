@@ -272,3 +272,29 @@ def test_question_inputs_are_checked():
         with record_held_tokens() as held:
             model(ids, past_key_values=cache)
         assert max(held) == 30 + 5 and cache.get_seq_length() == 30
+
+
+@pytest.mark.parametrize("allocation", ["global", "uniform"])
+def test_kvzap_left_padded_row_keeps_what_it_keeps_alone(llama_file, allocation):
+    """Row 1 is a shorter prompt behind left padding: in every layer and head it keeps exactly the positions it keeps
+    when run alone (shifted by its padding), and generates the same tokens."""
+    model = tiny_model("llama")
+    g = torch.Generator().manual_seed(9)
+    long, short = torch.randint(3, 128, (1, 90), generator=g), torch.randint(3, 128, (1, 77), generator=g)
+    pad = 90 - 77
+    ids = torch.cat([long, torch.cat([torch.zeros(1, pad, dtype=torch.long), short], 1)])
+    mask = torch.ones_like(ids)
+    mask[1, :pad] = 0
+    params = dict(compression_ratio=0.6, budget_allocation=allocation, calibration=str(llama_file))
+    with kvpress.patch_model(model, "kvzap", **params):
+        batch_cache, alone_cache = KVPressCache(model.config), KVPressCache(model.config)
+        batched = model.generate(ids, attention_mask=mask, past_key_values=batch_cache, max_new_tokens=5,
+                                 min_new_tokens=5, do_sample=False)
+        alone = model.generate(short, attention_mask=torch.ones_like(short), past_key_values=alone_cache,
+                               max_new_tokens=5, min_new_tokens=5, do_sample=False)
+    assert batched[1, 90:].tolist() == alone[0, 77:].tolist()
+    for (_, b), (_, a) in zip(batch_cache.kvpress_layers(), alone_cache.kvpress_layers()):
+        for h in range(2):
+            kept_b = sorted((b.key_positions()[1, h][b.key_valid()[1, h]] - pad).tolist())
+            kept_a = sorted(a.key_positions()[0, h][a.key_valid()[0, h]].tolist())
+            assert kept_b == kept_a, h
