@@ -261,6 +261,46 @@ def test_chunked_prefill_never_holds_more_than_budget_plus_one_chunk():
         assert out.logits.shape[1] == 300
 
 
+@pytest.mark.parametrize("arch,question", [("llama", 0), ("qwen2", 0), ("llama", 12)])
+def test_chunked_eviction_computes_each_chunk_over_exactly_what_earlier_chunks_kept(arch, question, monkeypatch):
+    """Independent reference for chunked prefill with eviction. A scorer that depends on the position alone keeps
+    the same positions in every layer and head, so the model's own attention with a 4D mask (each chunk sees the
+    earlier chunks' kept tokens and itself, causally; generated tokens see what the prompt kept) must give the
+    same logits for every prompt position and for the generated tokens. With a question appended to each chunk
+    (it votes, is never kept) nothing changes: it comes after the chunk, and this scorer ignores its votes."""
+    from kvpress.policies.snapkv import SnapKV
+
+    model = tiny_model(arch)
+    length, chunk, n_new = 150, 40, 3
+    ids = torch.randint(3, 128, (1, length), generator=torch.Generator().manual_seed(11))
+    rank = torch.rand(length + n_new, generator=torch.Generator().manual_seed(12))
+    monkeypatch.setattr(SnapKV, "score", lambda self, ctx: rank[ctx.layer.key_positions()])
+    extra = {"question_tokens": question} if question else {}
+    with kvpress.patch_model(model, "snapkv", compression_ratio=0.7, window_size=8, prefill_chunk_size=chunk,
+                             **extra), torch.no_grad():
+        cache = KVPressCache(model.config)
+        logits = [model(ids, past_key_values=cache, logits_to_keep=0).logits[0]]
+        kept = [torch.zeros(length, dtype=torch.bool).index_fill_(0, layer.key_positions()[0, h][valid].long(), True)
+                for layer in cache.layers for h, valid in enumerate(layer.key_valid()[0])]
+        assert all(torch.equal(k, kept[0]) for k in kept) and int(kept[0].sum()) == length - int(length * 0.7)
+        tokens = ids
+        for _ in range(n_new):
+            step = logits[-1][-1:].argmax(-1, keepdim=True)
+            tokens = torch.cat([tokens, step], 1)
+            logits.append(model(step, past_key_values=cache).logits[0])
+    total = tokens.shape[1]
+    allowed = torch.ones(total, total, dtype=torch.bool).tril()
+    seen_kept = torch.ones(total, dtype=torch.bool)
+    seen_kept[:length] = kept[0]
+    for start in range(length - (length - 1) // chunk * chunk, length, chunk):  # chunks end at the prompt's end
+        allowed[start:, :start] &= seen_kept[:start]  # what each chunk kept is all that later tokens see
+    allowed[length:, :length] &= kept[0]
+    mask = torch.zeros(1, 1, total, total).masked_fill(~allowed, float("-inf"))
+    with torch.no_grad():
+        ref = model(tokens, attention_mask=mask).logits[0]
+    torch.testing.assert_close(torch.cat(logits), ref, atol=1e-4, rtol=1e-4)
+
+
 # ---------------------------------------------------------------------------- decode budget
 def test_decode_budget_holds_over_1000_generated_tokens():
     model = tiny_model("llama")

@@ -310,9 +310,9 @@ class Patch:
         return chunked_prefill_forward
 
     def _chunked_prefill(self, forward, cache, chunk, batch, length, mask, logits_to_keep, kwargs):
-        """Feed the prompt `chunk` tokens at a time; after each chunk every kvpress layer runs the policy's prefill
-        hook and the model-level hook runs once, so the cache holds at most budget + one chunk. Budgets follow the
-        whole prompt's length (see chunk_share in policies/base.py). With a known question (question_tokens, or
+        """Feed the prompt `chunk` tokens at a time (the first chunk takes the remainder); after each chunk every
+        kvpress layer runs the policy's prefill hook and the model-level hook runs once, so the cache holds at most
+        budget + one chunk. Budgets follow the whole prompt's length (see chunk_share in policies/base.py). With a known question (question_tokens, or
         the cache's question_ids), chunks that do not already end with it get it appended as observation queries:
         the policy judges the chunk with them (they are never kept), then every layer forgets them.
         Returns the last forward's output, with the logits the caller asked for (logits_to_keep: 0 = all)."""
@@ -331,8 +331,10 @@ class Patch:
         cache.chunked_prompt = (real.to(device), length)
         logits = []
         try:
-            for start in range(0, length, chunk):
-                end = min(length, start + chunk)
+            # Chunks end at the prompt's end (the remainder goes first): every row of a left-padded batch ends
+            # there too, so each row's chunks hold exactly the tokens they hold when the row runs alone.
+            first = length - (length - 1) // chunk * chunk
+            for start, end in zip([0, *range(first, length, chunk)], range(first, length + 1, chunk)):
                 step = dict(kwargs)
                 for name in _PER_TOKEN_INPUTS:
                     if kwargs.get(name) is not None:
