@@ -73,6 +73,9 @@ class KVPressLayer(CacheLayerMixin):
         self.stats: dict[str, torch.Tensor] = {}  # per-layer policy statistics, batch-first [B, ...]
         self.seen = 0
         self.last_q_len = 0
+        # [B] padding tokens each row has seen (None: none). Padding only ever comes before a row's first token
+        # (left padding), so a slot's position minus it is the token's index in its own row (token_index).
+        self.padding: torch.Tensor | None = None
 
     def reserve(self, n: int) -> None:
         """Spare room for n more tokens in the tail, so appending them writes in place (a probe's tokens)."""
@@ -122,7 +125,11 @@ class KVPressLayer(CacheLayerMixin):
             new_pos = torch.arange(self.seen, self.seen + q_len, device=self.device, dtype=torch.int32)
             positions = torch.cat([positions, new_pos.expand(batch, heads, q_len)], -1)
         valid = tail.valid
-        if new_valid is not None and (valid is not None or not bool(new_valid.all())):
+        has_padding = new_valid is not None and not bool(new_valid.all())
+        if has_padding:
+            missing = (~new_valid.to(dtype=torch.bool)).sum(-1).to(self.device)
+            self.padding = missing if self.padding is None else self.padding + missing
+        if new_valid is not None and (valid is not None or has_padding):
             if valid is None:
                 valid = torch.ones(batch, heads, tail.num_slots, dtype=torch.bool, device=self.device)
             new_valid = new_valid.to(device=self.device, dtype=torch.bool)[:, None, :].expand(batch, heads, q_len)
@@ -181,6 +188,12 @@ class KVPressLayer(CacheLayerMixin):
             derived.truncate(self.stored)
         self.seen = new_seen
 
+    def token_index(self) -> torch.Tensor:
+        """[B, Hkv, T] each slot's index among its row's own tokens (its position minus the row's padding): what
+        the slot's position would be if the row ran alone."""
+        positions = self.key_positions()
+        return positions if self.padding is None else positions - self.padding.view(-1, 1, 1).to(positions.dtype)
+
     def forget_newest(self, n: int) -> None:
         """Forget the `n` newest tokens seen (observation tokens: a policy's eviction already dropped them, a policy
         that evicted nothing did not), wherever their slots are; seen steps back."""
@@ -219,6 +232,8 @@ class KVPressLayer(CacheLayerMixin):
         self.segments = [s.map_rows(fn) for s in self.segments]
         if self.row_budget is not None:
             self.row_budget = fn(self.row_budget)
+        if self.padding is not None:
+            self.padding = fn(self.padding)
         self.stats = {name: fn(t) for name, t in self.stats.items()}
         self.aux = {}
 
@@ -680,6 +695,10 @@ class KVPressLayer(CacheLayerMixin):
             out.segments = [Segment(FullPrecision(keys, values), positions, valid, state)]
         if all(l.row_budget is not None for l in layers):
             out.row_budget = torch.cat([l.row_budget for l in layers])
+        if any(l.padding is not None for l in layers):
+            out.padding = torch.cat([l.padding if l.padding is not None else
+                                     torch.zeros(l.key_positions().shape[0], dtype=torch.long, device=first.device)
+                                     for l in layers])
         out.stats = {name: torch.cat([l.stats[name] for l in layers]) for name in first.stats
                      if all(name in l.stats for l in layers)}
         if len({l.decode_start for l in layers}) == 1:

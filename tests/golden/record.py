@@ -6,6 +6,8 @@ SmolLM2: the greedy tokens, the kept token set of every (layer, row, KV head) af
 generation, and the bytes held. Only public API is used, so the same script runs on both sides of a redesign.
 
     python tests/golden/record.py            # rewrite tests/golden/behaviour.json (do this BEFORE a redesign)
+    python tests/golden/record.py random     # re-record only the cases whose key contains "random" (a behaviour
+                                             # changed on purpose; every other case keeps its record)
 """
 
 from __future__ import annotations
@@ -149,14 +151,17 @@ def all_cases():
     yield from smol_cases()
 
 
-def main():
+def main(only: list[str]):
     torch.set_num_threads(2)
-    record = {}
+    path = HERE / "behaviour.json"
+    record = json.loads(path.read_text()) if only else {}
     for key, run in all_cases():
+        if only and not any(part in key for part in only):
+            continue
         record[key] = run()
         print(key, record[key]["tokens"][0][:6], flush=True)
-    (HERE / "behaviour.json").write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+    path.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])
