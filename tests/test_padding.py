@@ -1,0 +1,116 @@
+"""A left-padded batch equals each row run alone, for every registered policy (one-shot and chunked prefill, and
+with a known question), the codecs and compositions: the same generated tokens, and in every layer and head the
+same kept positions (shifted by the row's padding). The registry is walked, so a new policy is covered the day it
+is registered (and fails here until it is given its parameters below)."""
+
+import pytest
+import torch
+
+import kvpress
+from kvpress import KVPressCache
+
+from conftest import tiny_model
+from test_calibrated import llama_file  # noqa: F401  (a calibration file for the tiny Llama: kvzap, duo_attention)
+from test_query_agnostic import TOK
+
+LONG, SHORT, NEW = 90, 77, 6  # pad 13: not a multiple of the codecs' group_size, chunk or page size below
+CHUNK = 24
+
+# Every registered policy with parameters that make it act on a 90-token prompt (budgets well below it, windows,
+# pages and code groups smaller than it). "calibration" is filled in from the fixture.
+PARAMS = {
+    "none": {},
+    "snapkv": dict(compression_ratio=0.6, window_size=8),
+    "h2o": dict(compression_ratio=0.6),
+    "tova": dict(compression_ratio=0.6),
+    "knorm": dict(compression_ratio=0.6),
+    "streaming_llm": dict(compression_ratio=0.6),
+    "random": dict(compression_ratio=0.6),
+    "expected_attention": dict(compression_ratio=0.6),
+    "keydiff": dict(compression_ratio=0.6),
+    "kvzip": dict(compression_ratio=0.6, chunk_size=16, tokenizer=TOK),
+    "kvzap": dict(compression_ratio=0.6, calibration=None),
+    "duo_attention": dict(streaming_heads=0.5, n_sink=2, window=16, slack=4, calibration=None),
+    "kivi": dict(bits=2, group_size=16, residual_length=16),
+    "gear": dict(bits=2, group_size=16, residual_length=16),
+    "quest": dict(budget=24, page_size=8),
+    "retrieval": dict(budget=24),
+    "sink_window": dict(budget=24),
+    "topk": dict(budget=24),
+}
+COMPOSED = {
+    "snapkv+kivi": dict(compression_ratio=0.6, window_size=8, bits=2, group_size=16, residual_length=16),
+    "kvzip+gear": dict(compression_ratio=0.6, chunk_size=16, tokenizer=TOK, bits=2, group_size=16,
+                       residual_length=16),
+    "h2o+quest": dict(compression_ratio=0.5, budget=16, page_size=8),
+}
+
+
+# Not yet: these group slots from the batch's first slot, not from each row's first token. KIVI/GEAR quantize keys
+# in groups of group_size slots and flush to codes by slot count, so a row behind padding that is not a multiple of
+# group_size is grouped (and flushed) differently; quest and retrieval score pages/chunks of slots the same way.
+# Per-row groups need the row's padding (KVPressLayer.padding), per-row flush counts and per-row page offsets.
+NOT_YET = {"kivi", "gear", "quest", "retrieval", "h2o+quest"}
+
+
+def _cases(names):
+    return [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason="groups align to the batch's first slot"))
+            if n in NOT_YET else n for n in sorted(names)]
+
+
+def test_every_registered_policy_is_covered():
+    assert set(kvpress.list_policies()) == set(PARAMS)
+
+
+def _batch():
+    g = torch.Generator().manual_seed(9)
+    long, short = torch.randint(3, 128, (1, LONG), generator=g), torch.randint(3, 128, (1, SHORT), generator=g)
+    pad = LONG - SHORT
+    ids = torch.cat([long, torch.cat([torch.zeros(1, pad, dtype=torch.long), short], 1)])
+    mask = torch.ones_like(ids)
+    mask[1, :pad] = 0
+    return ids, mask, short, pad
+
+
+def _kept(cache, row, shift):
+    return [[sorted((layer.key_positions()[row, h][layer.key_valid()[row, h]] - shift).tolist())
+             for h in range(layer.key_valid().shape[1])] for _, layer in cache.kvpress_layers()]
+
+
+def _assert_rows_as_alone(policy, params, **patch):
+    model = tiny_model("llama")
+    ids, mask, short, pad = _batch()
+    run = dict(max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
+    with kvpress.patch_model(model, policy, **params, **patch), torch.no_grad():
+        batch_cache, alone_cache = KVPressCache(model.config), KVPressCache(model.config)
+        batched = model.generate(ids, attention_mask=mask, past_key_values=batch_cache, **run)
+        alone = model.generate(short, attention_mask=torch.ones_like(short), past_key_values=alone_cache, **run)
+    assert batched[1, LONG:].tolist() == alone[0, SHORT:].tolist()
+    assert _kept(batch_cache, 1, pad) == _kept(alone_cache, 0, 0)
+
+
+def _params(name, calibration):
+    params = dict(PARAMS[name] if name in PARAMS else COMPOSED[name])
+    if "calibration" in params:
+        params["calibration"] = str(calibration)
+    return params
+
+
+@pytest.mark.parametrize("name", _cases(PARAMS))
+def test_left_padded_row_equals_the_row_alone(name, llama_file):  # noqa: F811
+    _assert_rows_as_alone(name, _params(name, llama_file))
+
+
+@pytest.mark.parametrize("name", _cases(COMPOSED))
+def test_left_padded_row_equals_the_row_alone_composed(name, llama_file):  # noqa: F811
+    _assert_rows_as_alone(name, _params(name, llama_file))
+
+
+CHUNKABLE = sorted(set(PARAMS) - {"kivi", "gear", "quest", "retrieval", "sink_window", "topk"})
+
+
+@pytest.mark.parametrize("name", CHUNKABLE)
+@pytest.mark.parametrize("question", [0, 8])
+def test_left_padded_row_equals_the_row_alone_in_a_chunked_prefill(name, question, llama_file):  # noqa: F811
+    extra = {"question_tokens": question} if question else {}
+    _assert_rows_as_alone(name, _params(name, llama_file), prefill_chunk_size=CHUNK, **extra)
