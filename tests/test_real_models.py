@@ -110,13 +110,15 @@ def test_chunked_prefill_hears_the_question_and_keeps_an_early_needle_at_3k(smol
     assert all(row["kept_max"] <= budget + 8 for row in stats["layers"])  # + the generated tokens
 
 
-@pytest.mark.xfail(strict=True, reason="not met yet: at 8K the needle's tokens are kept in most layers with the "
-                   "question's votes, but the answer is still wrong (chunks after the first are computed over a "
-                   "compressed past; see the calibrated-selection issue's closing note)")
+@pytest.mark.xfail(strict=True, reason="not met: at 8K SmolLM2's later chunks, computed over a past with 75% "
+                   "evicted, lose the answer even with the needle, the sinks and the question kept (random "
+                   "eviction of the rest loses it at 5% chunked, keeps it at 75% one-shot: "
+                   "benchmarks/chunked_drift.py); found for 1 prompt of 5 (seed 3), lost for seeds 1, 2, 4, 5. The "
+                   "chunked computation itself matches an independent reference (tests/test_budgets.py)")
 def test_chunked_prefill_with_the_question_keeps_an_early_needle_at_8k(smollm2):
     """The same at 8K (the target of the calibrated-selection issue): fails today (strict xfail)."""
     model, tok = smollm2
-    prompt = needle_prompt(tok, 8000, depth=0.1, seed=3)
+    prompt = needle_prompt(tok, 8000, depth=0.1, seed=1)
     budget = prompt.n_tokens - int(prompt.n_tokens * 0.75)
     with record_held_tokens() as peak, kvpress.patch_model(model, "snapkv", compression_ratio=0.75,
                                                              prefill_chunk_size=1024, question_tokens=40):
