@@ -18,14 +18,28 @@ from .base import Context, Policy
 from .registry import register
 
 
-class PageStats:
-    """Per-page elementwise max / min / mean of the stored keys (real slots only), page_size slots a page.
-    Complete pages are computed once; the partial last page is recomputed on every read."""
+def leading_fillers(layer) -> torch.Tensor | None:
+    """[B, Hkv] slots before each row/head's first real slot (a row's left padding, or the fillers of a row that
+    kept fewer tokens than another), None when no row has any. Pages, chunks and sinks count from a row's first
+    real slot, so a padded row reads what it reads alone."""
+    valid = layer.key_valid_or_none()
+    if valid is None:
+        return None
+    lead = (~valid).int().cumprod(-1).sum(-1)
+    return lead if bool(lead.any()) else None
 
-    def __init__(self, page_size: int):
+
+class PageStats:
+    """Per-page elementwise max / min / mean of the stored keys (real slots only), page_size slots a page, pages
+    counted from each row/head's first real slot (`offset`, fixed when the statistics start: the layer drops
+    them whenever it compacts). Complete pages are computed once; the partial last pages on every read."""
+
+    def __init__(self, page_size: int, offset: torch.Tensor | None):
         self.page_size = page_size
-        self.complete = 0  # pages whose statistics are final
+        self.offset = offset  # [B, Hkv] leading filler slots, or None
+        self.complete = 0  # pages whose statistics are final (for every row)
         self.kmax = self.kmin = self.kmean = None
+        self.filled = None  # [B, Hkv, n_pages]: the page holds a real slot (an empty one is never worth reading)
 
     def truncate(self, n_slots: int) -> None:
         self.complete = min(self.complete, n_slots // self.page_size)
@@ -35,11 +49,19 @@ class PageStats:
         total = layer.stored
         n_pages = (total + P - 1) // P
         start = self.complete * P
-        keys = layer.keys_view()[:, :, start:].float()
-        valid = layer.key_valid()[..., start:]
-        pad = (n_pages - self.complete) * P - keys.shape[2]
-        keys = torch.nn.functional.pad(keys, (0, 0, 0, pad))
-        valid = torch.nn.functional.pad(valid, (0, pad))
+        if self.offset is None:
+            keys = layer.keys_view()[:, :, start:].float()
+            valid = layer.key_valid()[..., start:]
+            pad = (n_pages - self.complete) * P - keys.shape[2]
+            keys = torch.nn.functional.pad(keys, (0, 0, 0, pad))
+            valid = torch.nn.functional.pad(valid, (0, pad))
+        else:  # page slot j of a row is its slot j + offset
+            src = torch.arange(start, n_pages * P, device=self.offset.device) + self.offset[..., None]
+            inside = src < total
+            src = src.clamp(max=total - 1)
+            all_keys = layer.keys_view()
+            keys = all_keys.gather(2, src[..., None].expand(-1, -1, -1, all_keys.shape[-1])).float()
+            valid = layer.key_valid().gather(-1, src) & inside
         b, h = keys.shape[:2]
         k = keys.view(b, h, -1, P, keys.shape[-1])
         v = valid.view(b, h, -1, P, 1)
@@ -49,21 +71,36 @@ class PageStats:
         keep = slice(0, self.complete)
         cat = (lambda old, new: new if old is None else torch.cat([old[:, :, keep], new], 2))
         self.kmax, self.kmin, self.kmean = cat(self.kmax, new_max), cat(self.kmin, new_min), cat(self.kmean, new_mean)
-        self.complete = total // P
+        self.filled = cat(self.filled, v.any(3)[..., 0])
+        self.complete = (total - (0 if self.offset is None else int(self.offset.max()))) // P
         return self
+
+    def first_page(self, slot: int) -> torch.Tensor | int:
+        """The page ([B, Hkv], or an int without offsets) that holds view slot `slot` in each row."""
+        return slot // self.page_size if self.offset is None else (slot - self.offset) // self.page_size
+
+    def slots(self, pages: torch.Tensor, n_slots: int):
+        """(slots [B, Hkv, K * page_size], valid) of the pages [B, Hkv, K] picked."""
+        slots = (pages[..., None] * self.page_size + torch.arange(self.page_size, device=pages.device)).flatten(-2)
+        if self.offset is not None:
+            slots = slots + self.offset[..., None]
+        return slots.clamp(max=n_slots - 1), slots < n_slots
 
 
 def page_stats(layer, page_size: int) -> PageStats:
     stats = layer.aux.get(("pages", page_size))
     if stats is None:
-        stats = layer.aux[("pages", page_size)] = PageStats(page_size)
+        stats = layer.aux[("pages", page_size)] = PageStats(page_size, leading_fillers(layer))
     return stats.update(layer)
 
 
-def _pages_to_slots(pages: torch.Tensor, page_size: int, n_slots: int):
-    slots = (pages[..., None] * page_size + torch.arange(page_size, device=pages.device)).flatten(-2)
-    valid = slots < n_slots
-    return slots.clamp(max=n_slots - 1), valid
+def _from_page(score: torch.Tensor, first) -> torch.Tensor:
+    """score [B, Hkv, n_pages] with every page from `first` (an int, or [B, Hkv]) on set to +inf (always read)."""
+    if isinstance(first, int):
+        score[..., max(0, first):] = float("inf")
+        return score
+    pages = torch.arange(score.shape[-1], device=score.device)
+    return score.masked_fill(pages >= first[..., None], float("inf"))
 
 
 def _query_rows(ctx: Context) -> torch.Tensor:
@@ -106,11 +143,11 @@ class Quest(ReadPolicy):
         q = _query_rows(ctx)  # [B, Hkv, M, D]
         bound = torch.maximum(q[:, :, :, None] * stats.kmax[:, :, None], q[:, :, :, None] * stats.kmin[:, :, None])
         score = bound.nan_to_num(neginf=-1e30).sum(-1).amax(2)  # [B, Hkv, n_pages]
-        first_current = (ctx.layer.stored - ctx.q_len) // self.page_size
-        score[..., first_current:] = float("inf")
+        score = _from_page(score, stats.first_page(ctx.layer.stored - ctx.q_len))  # the current page(s)
+        score = score.masked_fill(~stats.filled, float("-inf"))
         n = min(score.shape[-1], max(1, self.budget // self.page_size))
         pages = score.topk(n, dim=-1).indices.sort(-1).values
-        return _pages_to_slots(pages, self.page_size, ctx.layer.stored)
+        return stats.slots(pages, ctx.layer.stored)
 
 
 @register
@@ -135,10 +172,11 @@ class Retrieval(ReadPolicy):
         stats = page_stats(ctx.layer, c)
         score = torch.einsum("bhmd,bhnd->bhmn", _query_rows(ctx), stats.kmean).amax(2)  # [B, Hkv, n_chunks]
         score[..., 0] = float("inf")
-        score[..., max(0, (ctx.layer.stored - max(self.recent, ctx.q_len)) // c):] = float("inf")
+        score = _from_page(score, stats.first_page(max(0, ctx.layer.stored - max(self.recent, ctx.q_len))))
+        score = score.masked_fill(~stats.filled, float("-inf"))
         n = min(score.shape[-1], max(1, self.budget // c))
         chunks = score.topk(n, dim=-1).indices.sort(-1).values
-        return _pages_to_slots(chunks, c, ctx.layer.stored)
+        return stats.slots(chunks, ctx.layer.stored)
 
 
 @register
@@ -176,6 +214,13 @@ class SinkWindow(ReadPolicy):
     def select(self, ctx: Context):
         total = ctx.layer.stored
         window = max(self.budget - self.n_sink, ctx.q_len)
+        lead = leading_fillers(ctx.layer)
+        if lead is not None:  # each row's sinks are its first real slots
+            sinks = lead[..., None] + torch.arange(self.n_sink, device=lead.device)
+            start = max(0, total - window)
+            newest = torch.arange(start, total, device=lead.device).expand(*lead.shape, -1)
+            return torch.cat([sinks.clamp(max=total - 1), newest], -1), torch.cat(
+                [sinks < start, torch.ones_like(newest, dtype=torch.bool)], -1)  # a sink inside the window: once
         if total <= self.n_sink + window:
             idx = torch.arange(total, device=ctx.keys.device)
         else:
