@@ -50,7 +50,7 @@ COMPOSED = {
 # group_size is grouped (and flushed) differently.
 # Composed after an eviction too: a row that kept fewer tokens than another sits behind filler slots. Per-row
 # groups need each row's first real slot and per-row flush counts.
-NOT_YET = {"kivi", "gear", "snapkv+kivi", "kvzip+gear"}
+NOT_YET = set()
 
 
 def _cases(names):
@@ -62,10 +62,10 @@ def test_every_registered_policy_is_covered():
     assert set(kvpress.list_policies()) == set(PARAMS)
 
 
-def _batch():
+def _batch(n_short=SHORT):
     g = torch.Generator().manual_seed(9)
-    long, short = torch.randint(3, 128, (1, LONG), generator=g), torch.randint(3, 128, (1, SHORT), generator=g)
-    pad = LONG - SHORT
+    long, short = torch.randint(3, 128, (1, LONG), generator=g), torch.randint(3, 128, (1, n_short), generator=g)
+    pad = LONG - n_short
     ids = torch.cat([long, torch.cat([torch.zeros(1, pad, dtype=torch.long), short], 1)])
     mask = torch.ones_like(ids)
     mask[1, :pad] = 0
@@ -77,20 +77,21 @@ def _kept(cache, row, shift):
              for h in range(layer.key_valid().shape[1])] for _, layer in cache.kvpress_layers()]
 
 
-def _assert_rows_as_alone(policy, params, **patch):
+def _assert_rows_as_alone(policy, params, n_short=SHORT, **patch):
     model = tiny_model("llama")
-    ids, mask, short, pad = _batch()
+    ids, mask, short, pad = _batch(n_short)
     run = dict(max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, return_dict_in_generate=True,
                output_logits=True)
     with kvpress.patch_model(model, policy, **params, **patch), torch.no_grad():
         batch_cache, alone_cache = KVPressCache(model.config), KVPressCache(model.config)
         batched = model.generate(ids, attention_mask=mask, past_key_values=batch_cache, **run)
         alone = model.generate(short, attention_mask=torch.ones_like(short), past_key_values=alone_cache, **run)
-    assert batched.sequences[1, LONG:].tolist() == alone.sequences[0, SHORT:].tolist()
+    assert batched.sequences[1, LONG:].tolist() == alone.sequences[0, n_short:].tolist()
     # the logits too: a tiny random model's tokens barely depend on what attention reads
     torch.testing.assert_close(torch.stack([step[1] for step in batched.logits]),
                                torch.stack([step[0] for step in alone.logits]), atol=1e-5, rtol=1e-4)
     assert _kept(batch_cache, 1, pad) == _kept(alone_cache, 0, 0)
+    return batch_cache
 
 
 def _params(name, calibration):
@@ -118,3 +119,12 @@ CHUNKABLE = sorted(set(PARAMS) - {"kivi", "gear", "quest", "retrieval", "sink_wi
 def test_left_padded_row_equals_the_row_alone_in_a_chunked_prefill(name, question, llama_file):  # noqa: F811
     extra = {"question_tokens": question} if question else {}
     _assert_rows_as_alone(name, _params(name, llama_file), prefill_chunk_size=CHUNK, **extra)
+
+
+@pytest.mark.parametrize("pad, flat", [(13, True), (16, False)])
+def test_codec_layers_go_flat_only_when_padding_cuts_a_group(pad, flat):
+    """KIVI codes a row in groups of group_size slots from its first token. Padding that is a multiple of
+    group_size keeps the batch one rectangle (its groups already start at every row's first token); any other
+    padding makes the codec store each row's own groups in flat runs. Either way the row equals itself alone."""
+    cache = _assert_rows_as_alone("kivi", PARAMS["kivi"], n_short=LONG - pad)
+    assert all(layer.is_flat == flat for _, layer in cache.kvpress_layers())

@@ -86,6 +86,23 @@ def test_gear_error_is_below_kivi_at_the_same_bits():
         assert gear_err < 0.9 * kivi_err
 
 
+def test_gear_encodes_a_shorter_row_behind_fillers_as_it_encodes_it_alone():
+    """A flat flush encodes rows of different lengths as one rectangle, the shorter ones ending in fillers: the
+    outlier counts (per channel, from the row's own slots), outlier picks (never a filler) and low-rank start
+    must not depend on the other rows, so the short row decodes exactly as when encoded alone."""
+    g = torch.Generator().manual_seed(5)
+    k = torch.randn(2, 2, 64, 64, generator=g) + (torch.rand(2, 2, 64, 64, generator=g) < 0.02) * 25
+    v = torch.randn(2, 2, 64, 64, generator=g)
+    k[1] -= 3  # all-negative channels: a filler (0) must not become the "largest" outlier
+    valid = torch.ones(2, 2, 64, dtype=torch.bool)
+    valid[1, :, 32:] = False  # row 1 has 32 real slots (2 groups), then fillers
+    params = dict(bits=2, group_size=16, rank=2, outlier_ratio=0.25, power_iters=2)
+    batched = encode_gear(k, v, valid, **params)
+    alone = encode_gear(k[1:, :, :32], v[1:, :, :32], valid[1:, :, :32], **params)
+    for got, want in zip(batched.dequantize(0, 64), alone.dequantize(0, 32)):
+        torch.testing.assert_close(got[1:, :, :32], want, atol=2e-3, rtol=1e-3)
+
+
 def dense_reference(q, seg, rk, rv, pos, valid, qpos, window=None):
     """Plain attention over the dequantized cache (independent of the block-wise online softmax)."""
     g = q.shape[1] // rk.shape[1]

@@ -63,6 +63,19 @@ def test_quant4_draft_is_lossless_against_the_8bit_kv_model(arch):
         assert out.tolist() == ref.tolist()  # unpatched model: patched with 8-bit KIVI for the call
 
 
+def test_speculative_rolls_back_over_a_codec_that_flushes_a_padded_batch_while_decoding():
+    """Padding that cuts a KIVI group makes the codec's layers flat runs (each row grouped from its own first
+    token); 40 new tokens flush groups between rounds, and rejected drafts are rolled back out of full-precision
+    flat runs. Output equals plain greedy decoding over the same 8-bit cache."""
+    model = tiny_model("llama")
+    ids, mask = left_padded_pair(1)
+    with kvpress.patch_model(model, "kivi", bits=8, group_size=16, residual_length=16):
+        ref = plain(model, ids, mask, 40)
+        for gamma in (2, 5):
+            out = speculative_generate(model, ids, mask, draft="quant4", gamma=gamma, max_new_tokens=40)
+            assert out.tolist() == ref.tolist(), gamma
+
+
 def test_custom_generate_entry_point_and_patched_prefill_policy():
     model = tiny_model("llama")
     ids = torch.randint(3, 128, (1, 60))

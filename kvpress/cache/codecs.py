@@ -304,14 +304,22 @@ def encode_kivi(k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, bits: int
     )
 
 
-def _outliers(x: torch.Tensor, n_out: int):
+def _outliers(x: torch.Tensor, n_out: int, real: torch.Tensor | None = None, n_real: torch.Tensor | None = None):
     """Along the last dim: positions and values of the n_out largest and n_out smallest entries, and a mask
-    that is False there (they are kept exactly, so they must not stretch their quantization group)."""
+    that is False there (they are kept exactly, so they must not stretch their quantization group).
+    With `real` (a mask like x: the real entries) fillers are never outliers, and each row takes only its own
+    count `n_real` (<= n_out, shaped like x without its last dim): its other entries point at one of its fillers
+    (it has some, being shorter) with value 0, so a row is encoded as it is alone."""
     if n_out == 0:
         return x.new_zeros(*x.shape[:-1], 0, dtype=torch.long), x.new_zeros(*x.shape[:-1], 0), None
-    idx = torch.cat([x.topk(n_out, dim=-1).indices, (-x).topk(n_out, dim=-1).indices], -1)
+    high, low = (x, -x) if real is None else (x.masked_fill(~real, float("-inf")), (-x).masked_fill(~real, float("-inf")))
+    idx = torch.cat([high.topk(n_out, dim=-1).indices, low.topk(n_out, dim=-1).indices], -1)
+    if n_real is not None:
+        used = torch.arange(n_out, device=x.device).repeat(2) < n_real[..., None]
+        idx = torch.where(used, idx, (~real).int().argmax(-1, keepdim=True))  # a filler of the row
     counts = torch.ones_like(x, dtype=torch.bool).scatter(-1, idx, False)
-    return idx, x.gather(-1, idx), counts
+    values = x.gather(-1, idx)
+    return idx, values if n_real is None else values.masked_fill(~used, 0.0), counts
 
 
 def _low_rank(err: torch.Tensor, rank: int, iters: int, seed: int):
@@ -319,7 +327,8 @@ def _low_rank(err: torch.Tensor, rank: int, iters: int, seed: int):
     basis [B,H,D,r]. Orthonormalised once, at the end."""
     batch, heads, n, dim = err.shape
     gen = torch.Generator(device=err.device).manual_seed(seed)
-    p = torch.randn(batch, heads, dim, rank, generator=gen, device=err.device)
+    # one start for every (row, head): a row's result does not depend on its place in the batch
+    p = torch.randn(dim, rank, generator=gen, device=err.device).expand(batch, heads, dim, rank)
     for _ in range(iters):
         qb = err @ p
         p = err.transpose(-1, -2) @ qb
@@ -335,9 +344,13 @@ def encode_gear(k, v, valid, bits, group_size, rank, outlier_ratio, power_iters,
     batch, heads, n, dim = k.shape
     mask = valid[..., None]
     k, v = k.float() * mask, v.float() * mask
-    # keys: per channel, along the slots
+    # keys: per channel, along the slots; a row with fillers counts its own real slots
     n_k = int(outlier_ratio * n / 2)
-    k_idx, k_val, k_counts = _outliers(k.transpose(2, 3), n_k)  # [B,H,D,2n_k]
+    real = n_real = None
+    if not bool(valid.all()):
+        real = valid[:, :, None, :].expand(batch, heads, dim, n)
+        n_real = torch.floor(valid.sum(-1).double() * outlier_ratio / 2).long()[:, :, None].expand(batch, heads, dim)
+    k_idx, k_val, k_counts = _outliers(k.transpose(2, 3), n_k, real, n_real)  # [B,H,D,2n_k]
     chan = torch.arange(dim, device=k.device)[:, None].expand(dim, 2 * n_k)
     chan_dtype = torch.uint8 if dim <= 256 else torch.int16
     # values: per slot row, along the channels

@@ -166,18 +166,21 @@ class KVPressLayer(CacheLayerMixin):
         if not 0 <= new_seen <= self.seen:
             raise ValueError(f"crop(tokens_to_remove={tokens_to_remove}) is out of range for {self.seen} seen tokens")
         self.sort()
-        # The rolled-back tokens must all still be stored (the same count in every head: rectangular storage), and
-        # in the full-precision tail. Slots are sorted, so they are normally the tail's last slots: cut them; a
-        # filler slot among them (a copy kept to stay rectangular) makes it a keep() of the rest instead.
+        # The rolled-back tokens must all still be stored (the same count in every head), in full precision. Slots
+        # are sorted, so they are normally the tail's last slots: cut them. Otherwise (a filler among them, or
+        # tokens a codec's flat flush left in a full-precision run) it is a keep() of the rest.
         positions, valid = self.key_positions(), self.key_valid()
         drop = valid & (positions >= new_seen)
         n_drop = drop.sum(-1)
         if bool((n_drop != n_drop.flatten()[0]).any()):
             raise RuntimeError("crop: the rolled-back tokens were partly evicted; only an unevicted tail can be cropped")
         n = int(n_drop.flatten()[0])
-        if n > self.tail.num_slots or bool(drop[..., :self.stored - self.tail.num_slots].any()):
-            raise RuntimeError("crop: the rolled-back tokens reach into the quantized or ragged segment; only the "
-                               "full-precision tail can be rolled back")
+        low_bit = torch.zeros(drop.shape[-1], dtype=torch.bool, device=drop.device)
+        for segment, offset in zip(self.segments, self._offsets()):
+            low_bit[offset:offset + segment.width] = segment.low_bit
+        if bool((drop & low_bit).any()):
+            raise RuntimeError("crop: the rolled-back tokens reach into the quantized segment; only full-precision "
+                               "tokens can be rolled back")
         if n and bool(drop[..., -n:].all()):
             self.segments[-1] = self.tail.truncate(self.tail.num_slots - n)
         elif n:
@@ -472,7 +475,9 @@ class KVPressLayer(CacheLayerMixin):
         [B, Hkv, n, D], n a multiple of `group`), keeping at least `residual` newest slots in full precision
         (per head in a flat layer). Returns nothing; the low-bit segment grows."""
         self.sort()  # "oldest" is by position
-        if self.is_flat:
+        if self.is_flat or (self.low_bit is None and not self._rows_align_to(group)):
+            # Flat runs group each row from its own first token and flush its own count, so a row behind padding
+            # (or behind the fillers of a row that kept fewer tokens) is quantized as it is alone.
             self._flush_flat(residual, group, encode)
             return
         # rectangular: the same number of slots in every head (fillers count as slots)
@@ -498,6 +503,15 @@ class KVPressLayer(CacheLayerMixin):
         self.segments = [moved, rest]
         self.aux = {}
 
+    def _rows_align_to(self, group: int) -> bool:
+        """Rectangular groups of `group` slots start at every row's first real token: each row's fillers all lead
+        and come in whole groups (no padding at all, or padding that is a multiple of the group)."""
+        valid = self.tail.valid
+        if valid is None or bool(valid.all()):
+            return True
+        lead = (~valid).int().cumprod(-1).sum(-1)
+        return bool(((~valid).sum(-1) == lead).all()) and bool((lead % group == 0).all())
+
     def _flush_flat(self, residual: int, group: int, encode) -> None:
         """Flat layer: each head moves its oldest whole groups, keeping >= residual full-precision tokens."""
         fp = self._flat_full_precision()
@@ -517,6 +531,7 @@ class KVPressLayer(CacheLayerMixin):
         kept = fp.keep(*_rank_select(ok & ~move), 0)
         low_bit = self.low_bit
         self.segments = [moved if low_bit is None else low_bit.cat_runs(moved), kept, self._empty_tail(kept)]
+        self.compacted = True  # flat runs hold explicit positions, so the tail records its own from now on
         self.aux = {}
 
     def _flat_full_precision(self, names=()) -> Segment:
