@@ -128,3 +128,19 @@ def test_codec_layers_go_flat_only_when_padding_cuts_a_group(pad, flat):
     padding makes the codec store each row's own groups in flat runs. Either way the row equals itself alone."""
     cache = _assert_rows_as_alone("kivi", PARAMS["kivi"], n_short=LONG - pad)
     assert all(layer.is_flat == flat for _, layer in cache.kvpress_layers())
+
+
+@pytest.mark.parametrize("name", ["snapkv+kivi", "kivi"])
+def test_beam_search_on_a_left_padded_batch_equals_each_row_alone(name, llama_file):  # noqa: F811
+    """Beams reorder and repeat the cache's rows (flat codec runs included): the padded row's beams give the
+    sequence it gives alone."""
+    model = tiny_model("llama")
+    ids, mask, short, pad = _batch()
+    run = dict(max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, num_beams=3, return_dict_in_generate=True,
+               output_scores=True)
+    with kvpress.patch_model(model, name, **_params(name, llama_file)), torch.no_grad():
+        batched = model.generate(ids, attention_mask=mask, past_key_values=KVPressCache(model.config), **run)
+        alone = model.generate(short, attention_mask=torch.ones_like(short),
+                               past_key_values=KVPressCache(model.config), **run)
+    assert batched.sequences[1, LONG:].tolist() == alone.sequences[0, SHORT:].tolist()
+    torch.testing.assert_close(batched.sequences_scores[1], alone.sequences_scores[0], atol=1e-6, rtol=1e-5)
