@@ -175,10 +175,8 @@ class KVPressLayer(CacheLayerMixin):
         if bool((n_drop != n_drop.flatten()[0]).any()):
             raise RuntimeError("crop: the rolled-back tokens were partly evicted; only an unevicted tail can be cropped")
         n = int(n_drop.flatten()[0])
-        low_bit = torch.zeros(drop.shape[-1], dtype=torch.bool, device=drop.device)
-        for segment, offset in zip(self.segments, self._offsets()):
-            low_bit[offset:offset + segment.width] = segment.low_bit
-        if bool((drop & low_bit).any()):
+        if any(segment.low_bit and bool(drop[..., offset:offset + segment.width].any())
+               for segment, offset in zip(self.segments, self._offsets())):
             raise RuntimeError("crop: the rolled-back tokens reach into the quantized segment; only full-precision "
                                "tokens can be rolled back")
         if n and bool(drop[..., -n:].all()):
@@ -293,6 +291,12 @@ class KVPressLayer(CacheLayerMixin):
         """[B, Hkv, T] which slots of the padded view hold real tokens."""
         batch, heads = self._shape()
         return _joined([s.view_valid(batch, heads, self.device) for s in self.segments])
+
+    def leading_fillers(self) -> torch.Tensor | None:
+        """[B, Hkv] slots of the view before each row/head's first real slot (a row's left padding, or the fillers
+        of a row that kept fewer tokens than another); None when every slot is real."""
+        valid = self.key_valid_or_none()
+        return None if valid is None else (~valid).int().cumprod(-1).sum(-1)
 
     def key_valid_or_none(self) -> torch.Tensor | None:
         """key_valid(), or None when every slot of the view is a real token (masks can skip the check)."""
@@ -475,14 +479,17 @@ class KVPressLayer(CacheLayerMixin):
         [B, Hkv, n, D], n a multiple of `group`), keeping at least `residual` newest slots in full precision
         (per head in a flat layer). Returns nothing; the low-bit segment grows."""
         self.sort()  # "oldest" is by position
+        if not self.is_flat:
+            # rectangular: the same number of slots in every head (fillers count as slots). Nothing to move here
+            # means nothing for a flat flush either (a row's real tokens are at most its slots), so the alignment
+            # check below runs once per group of new tokens, not at every decode step.
+            n = ((self.stored - self.quantized_len - residual) // group) * group
+            if n <= 0:
+                return
         if self.is_flat or (self.low_bit is None and not self._rows_align_to(group)):
             # Flat runs group each row from its own first token and flush its own count, so a row behind padding
             # (or behind the fillers of a row that kept fewer tokens) is quantized as it is alone.
             self._flush_flat(residual, group, encode)
-            return
-        # rectangular: the same number of slots in every head (fillers count as slots)
-        n = ((self.stored - self.quantized_len - residual) // group) * group
-        if n <= 0:
             return
         tail = self.tail
         # (slices are cloned: a view would keep the tail's whole tensor alive, and nbytes() would under-report it)
@@ -506,11 +513,10 @@ class KVPressLayer(CacheLayerMixin):
     def _rows_align_to(self, group: int) -> bool:
         """Rectangular groups of `group` slots start at every row's first real token: each row's fillers all lead
         and come in whole groups (no padding at all, or padding that is a multiple of the group)."""
-        valid = self.tail.valid
-        if valid is None or bool(valid.all()):
+        lead = self.leading_fillers()
+        if lead is None:
             return True
-        lead = (~valid).int().cumprod(-1).sum(-1)
-        return bool(((~valid).sum(-1) == lead).all()) and bool((lead % group == 0).all())
+        return bool(((~self.key_valid()).sum(-1) == lead).all()) and bool((lead % group == 0).all())
 
     def _flush_flat(self, residual: int, group: int, encode) -> None:
         """Flat layer: each head moves its oldest whole groups, keeping >= residual full-precision tokens."""

@@ -312,9 +312,10 @@ class Patch:
     def _chunked_prefill(self, forward, cache, chunk, batch, length, mask, logits_to_keep, kwargs):
         """Feed the prompt `chunk` tokens at a time (the first chunk takes the remainder); after each chunk every
         kvpress layer runs the policy's prefill hook and the model-level hook runs once, so the cache holds at most
-        budget + one chunk. Budgets follow the whole prompt's length (see chunk_share in policies/base.py). With a known question (question_tokens, or
-        the cache's question_ids), chunks that do not already end with it get it appended as observation queries:
-        the policy judges the chunk with them (they are never kept), then every layer forgets them.
+        budget + one chunk. Budgets follow the whole prompt's length (see chunk_share in policies/base.py). With a
+        known question (question_tokens, or the cache's question_ids), chunks that do not already end with it get it
+        appended as observation queries: the policy judges the chunk with them (they are never kept), then every
+        layer forgets them.
         Returns the last forward's output, with the logits the caller asked for (logits_to_keep: 0 = all)."""
         real = mask.sum(-1) if mask is not None else torch.full((batch,), length)
         ids = kwargs.get("input_ids")

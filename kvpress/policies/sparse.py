@@ -19,14 +19,10 @@ from .registry import register
 
 
 def leading_fillers(layer) -> torch.Tensor | None:
-    """[B, Hkv] slots before each row/head's first real slot (a row's left padding, or the fillers of a row that
-    kept fewer tokens than another), None when no row has any. Pages, chunks and sinks count from a row's first
-    real slot, so a padded row reads what it reads alone."""
-    valid = layer.key_valid_or_none()
-    if valid is None:
-        return None
-    lead = (~valid).int().cumprod(-1).sum(-1)
-    return lead if bool(lead.any()) else None
+    """The layer's leading fillers [B, Hkv], None when no row has any. Pages, chunks and sinks count from a row's
+    first real slot, so a padded row reads what it reads alone."""
+    lead = layer.leading_fillers()
+    return lead if lead is not None and bool(lead.any()) else None
 
 
 class PageStats:
@@ -214,20 +210,15 @@ class SinkWindow(ReadPolicy):
     def select(self, ctx: Context):
         total = ctx.layer.stored
         window = max(self.budget - self.n_sink, ctx.q_len)
+        shape, device = ctx.keys.shape[:2], ctx.keys.device
+        sinks = torch.arange(self.n_sink, device=device).expand(*shape, -1)
         lead = leading_fillers(ctx.layer)
         if lead is not None:  # each row's sinks are its first real slots
-            sinks = lead[..., None] + torch.arange(self.n_sink, device=lead.device)
-            start = max(0, total - window)
-            newest = torch.arange(start, total, device=lead.device).expand(*lead.shape, -1)
-            return torch.cat([sinks.clamp(max=total - 1), newest], -1), torch.cat(
-                [sinks < start, torch.ones_like(newest, dtype=torch.bool)], -1)  # a sink inside the window: once
-        if total <= self.n_sink + window:
-            idx = torch.arange(total, device=ctx.keys.device)
-        else:
-            idx = torch.cat([torch.arange(self.n_sink, device=ctx.keys.device),
-                             torch.arange(total - window, total, device=ctx.keys.device)])
-        idx = idx.expand(*ctx.keys.shape[:2], -1)
-        return idx, torch.ones_like(idx, dtype=torch.bool)
+            sinks = sinks + lead[..., None]
+        start = max(0, total - window)
+        newest = torch.arange(start, total, device=device).expand(*shape, -1)
+        return torch.cat([sinks.clamp(max=total - 1), newest], -1), torch.cat(
+            [sinks < start, torch.ones_like(newest, dtype=torch.bool)], -1)  # a sink inside the window: read once
 
 
 @dataclass
