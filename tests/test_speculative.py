@@ -198,13 +198,14 @@ def test_sparse_gather_attention_equals_dense_restricted(B, HKV, G, R, T, K):
 @pytest.mark.parametrize("window, softcap, rows", [(None, None, 1), (20, None, 3), (None, 30.0, 2), (None, None, 6),
                                                    (20, 30.0, 7)])
 def test_flat_runs_read_in_place_equal_dense_attention_per_head(window, softcap, rows):
-    """A flat store of ragged per-(row, head) runs (one empty: it contributes nothing, its state stays empty), read
-    in place on CPU (every run at once for up to 4 query rows, run by run beyond), equals a dense masked softmax over each head's own run; and the Triton path
-    over the same runs agrees."""
+    """A flat store of ragged per-(row, head) runs (one empty), read with a rectangular tail of newer slots (one
+    invalid, some after the first query rows: causal), in place on CPU (a row's runs and tail in one masked softmax
+    for up to 4 query rows, run by run beyond), equals a dense masked softmax over each head's own run + tail; a head
+    with nothing readable keeps an empty state; and the Triton path over the same runs agrees."""
     from kvpress.kernels.sparse_attention import flat_attention_state
 
     torch.manual_seed(rows)
-    B, HKV, G, D = 2, 3, 2, 16
+    B, HKV, G, D, TAIL = 2, 3, 2, 16, 4
     lengths = torch.tensor([[30, 0, 17], [5, 41, 23]])
     n = int(lengths.sum())
     keys, values = torch.randn(n, D), torch.randn(n, D)
@@ -212,22 +213,31 @@ def test_flat_runs_read_in_place_equal_dense_attention_per_head(window, softcap,
     starts = (lengths.flatten().cumsum(0) - lengths.flatten()).view_as(lengths)
     q, qpos = torch.randn(B, HKV * G, rows, D), torch.arange(60, 60 + rows) - 2
     queries = Queries(q, qpos, D ** -0.5, softcap, window)
-    state = flat_attention_state(queries, keys, values, positions, starts, lengths, use_triton=False)
-    assert bool((state[0][0, 1] == float("-inf")).all()) and bool((state[1][0, 1] == 0).all())
-    out = finish(state, queries)
+    tail_k, tail_v = torch.randn(B, HKV, TAIL, D), torch.randn(B, HKV, TAIL, D)
+    tail_pos = torch.tensor([55, 57, 59, 61]).expand(B, HKV, TAIL)
+    tail_valid = torch.ones(B, HKV, TAIL, dtype=torch.bool)
+    tail_valid[1, 2, 0] = False
+    empty = flat_attention_state(queries, keys, values, positions, starts, lengths, use_triton=False)
+    assert bool((empty[0][0, 1] == float("-inf")).all()) and bool((empty[1][0, 1] == 0).all())
+    rect = (tail_k, tail_v, tail_pos, tail_valid)
+    out = finish(flat_attention_state(queries, keys, values, positions, starts, lengths, use_triton=False, rect=rect),
+                 queries)
     for b in range(B):
         for h in range(HKV):
-            if lengths[b, h] == 0:
-                continue
             run = slice(int(starts[b, h]), int(starts[b, h] + lengths[b, h]))
-            logits = torch.einsum("grd,nd->grn", q[b, h * G:(h + 1) * G], keys[run]) * D ** -0.5
+            k = torch.cat([keys[run], tail_k[b, h]])
+            v = torch.cat([values[run], tail_v[b, h]])
+            pos = torch.cat([positions[run], tail_pos[b, h]])
+            ok = torch.cat([torch.ones(int(lengths[b, h]), dtype=torch.bool), tail_valid[b, h]])
+            logits = torch.einsum("grd,nd->grn", q[b, h * G:(h + 1) * G], k) * D ** -0.5
             if softcap is not None:
                 logits = torch.tanh(logits / softcap) * softcap
-            allowed = allowed_mask(qpos, positions[run].view(1, 1, -1), None, window)[0, 0]
+            allowed = allowed_mask(qpos, pos.view(1, 1, -1), ok.view(1, 1, -1), window)[0, 0]
             probs = logits.masked_fill(~allowed, float("-inf")).softmax(-1).nan_to_num(0.0)
-            torch.testing.assert_close(out[b, h * G:(h + 1) * G], probs @ values[run], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(out[b, h * G:(h + 1) * G].nan_to_num(0.0), probs @ v, atol=1e-5, rtol=1e-5)
     if softcap is None:
-        tri = finish(flat_attention_state(queries, keys, values, positions, starts, lengths, use_triton=True), queries)
+        tri = finish(flat_attention_state(queries, keys, values, positions, starts, lengths, use_triton=True,
+                                          rect=rect), queries)
         torch.testing.assert_close(tri.nan_to_num(0.0), out.nan_to_num(0.0), atol=1e-5, rtol=1e-5)
 
 

@@ -554,27 +554,31 @@ class KVPressLayer(CacheLayerMixin):
                   state=None) -> torch.Tensor:
         """Attention of `queries` over every stored slot, [B, Hq, r, D]: each segment through the kernel for its
         kind, folded into one online softmax."""
-        hkv = self.num_kv_heads
-        state = empty_state(queries.grouped(hkv)) if state is None else state
         batch, heads = self._shape()
+        tail = self.tail
+        # a flat layer's full-precision tail (its newest tokens) is read in one pass with the flat runs before it
+        with_runs = len(self.segments) > 1 and self.segments[-2].flat and not self.segments[-2].low_bit \
+            and not tail.flat and tail.width > 0
         for segment, offset in zip(self.segments, self._offsets()):
-            if segment.width == 0:
+            if segment.width == 0 or (with_runs and segment is tail):
                 continue
-            positions = segment.view_positions(offset, batch, heads, self.device)
             if segment.low_bit and segment.flat:
                 state = flat_lowbit_attention_state(queries, segment.data, segment.positions, segment.lengths, state,
                                                     precision)
             elif segment.low_bit:
-                state = lowbit_attention_state(queries, segment.data, positions, segment.valid, state, precision,
-                                               use_triton)
+                state = lowbit_attention_state(queries, segment.data, segment.view_positions(offset, batch, heads,
+                                               self.device), segment.valid, state, precision, use_triton)
             elif segment.flat:
+                rect = (tail.data.keys, tail.data.values, tail.view_positions(self.stored - tail.width, batch, heads,
+                        self.device), tail.valid) if with_runs and segment is self.segments[-2] else None
                 state = flat_attention_state(queries, segment.data.keys[0, 0], segment.data.values[0, 0],
                                              segment.positions[0, 0], segment.starts(), segment.lengths, state,
-                                             use_triton)
+                                             use_triton, rect)
             else:
-                state = dense_attention_state(queries, segment.data.keys, segment.data.values, positions,
+                state = dense_attention_state(queries, segment.data.keys, segment.data.values,
+                                              segment.view_positions(offset, batch, heads, self.device),
                                               segment.valid, state)
-        return finish(state, queries)
+        return finish(empty_state(queries.grouped(self.num_kv_heads)) if state is None else state, queries)
 
     def attend(self, read: Read, base) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The read path of one attention call: (output [B, q_len, Hq, D] in transformers' layout, the attention

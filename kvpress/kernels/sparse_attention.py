@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .online_softmax import Queries, State, block_update, empty_state, finish, merge_states
+from .online_softmax import Queries, State, block_update, dense_attention_state, empty_state, finish, merge_states
 
 
 @dataclass(frozen=True)
@@ -67,22 +67,25 @@ def run_grid(starts: torch.Tensor, lengths: torch.Tensor, width: int, num_slots:
 
 
 def flat_attention_state(queries: Queries, keys, values, positions, starts: torch.Tensor, lengths: torch.Tensor,
-                         state: State | None = None, use_triton: bool | None = None) -> State:
+                         state: State | None = None, use_triton: bool | None = None, rect: tuple | None = None) -> State:
     """Attention over a flat store ([N, D] keys/values, [N] positions) whose (row, KV head) runs start at `starts`
-    [B, Hkv] with `lengths` [B, Hkv] slots. On CUDA: the sparse Triton kernel over the runs' indices. Elsewhere: each
-    run is a contiguous slice of the store, read in place (one small block update per run), instead of the
-    reference's gathered, padded copy of the whole layer per call."""
+    [B, Hkv] with `lengths` [B, Hkv] slots, and over `rect`, rectangular slots read with them (a flat layer's tail:
+    keys, values [B, Hkv, t, D], positions [B, Hkv, t], valid [B, Hkv, t] or None). On CUDA: the sparse Triton
+    kernel over the runs' indices. Elsewhere: each run is a contiguous slice of the store, read in place, instead of
+    the reference's gathered, padded copy of the whole layer per call: for a few query rows, a row's runs and its
+    rectangular slots in one softmax; beyond, one small block update per run."""
     from . import triton_sparse
 
     if use_triton is None:
         use_triton = queries.values.is_cuda and triton_sparse.available() and queries.softcap is None
+    if queries.values.shape[2] <= _DENSE_ROWS and not use_triton:
+        part = _flat_rows_dense(queries, keys, values, positions, lengths, rect)
+        return part if state is None else merge_states(state, part)
     if use_triton:
         width = int(lengths.max()) if lengths.numel() else 0
-        return sparse_attention_state(queries, keys, values, positions,
-                                      Selection(*run_grid(starts, lengths, width, keys.shape[0])), state, True)
-    if queries.values.shape[2] <= _VECTOR_ROWS:
-        part = _flat_runs_vectorised(queries, keys, values, positions, lengths)
-        return part if state is None else merge_states(state, part)
+        state = sparse_attention_state(queries, keys, values, positions,
+                                       Selection(*run_grid(starts, lengths, width, keys.shape[0])), state, True)
+        return state if rect is None else dense_attention_state(queries, *rect, state)
     batch, hkv = lengths.shape
     q = queries.grouped(hkv)
     m, l, acc = empty_state(q) if state is None else (t.clone() for t in state)
@@ -98,33 +101,48 @@ def flat_attention_state(queries: Queries, keys, values, positions, starts: torc
                                                  keys[run].float().view(1, 1, n, dim),
                                                  values[run].float().view(1, 1, n, -1), queries.scaling,
                                                  queries.softcap, allowed)
-    return m, l, acc
+    return (m, l, acc) if rect is None else dense_attention_state(queries, *rect, (m, l, acc))
 
 
-_VECTOR_ROWS = 4  # query rows up to which every run is read at once (decode steps, short verifications)
+_DENSE_ROWS = 4  # query rows up to which a row's runs are read as one dense block (decode steps, verifications)
 
 
-def _flat_runs_vectorised(queries: Queries, keys, values, positions, lengths) -> State:
-    """Every run at once for a few query rows: each slot is paired with its own (row, head)'s queries (a gather of
-    queries, not of keys), and the per-run softmax is a segment reduction over the store."""
+def _flat_rows_dense(queries: Queries, keys, values, positions, lengths, rect) -> State:
+    """A few query rows over a flat store (+ `rect`). Runs are laid out row by row, head by head, so one row's runs
+    are one contiguous range of the store: all of that row's query heads read the range as one dense block, each
+    masked to its own KV head's run, and one softmax covers the row's rectangular slots too. K and V are read once,
+    by two matmuls; the logits against the other heads' slots are computed and masked away (Hkv times the
+    multiply-adds: cheaper, for a few query rows, than per-slot gathers of queries and segment reductions, which on
+    CPU cost more than the full cache's dense attention)."""
     batch, hkv = lengths.shape
-    q = queries.grouped(hkv)
+    q = queries.grouped(hkv) * queries.scaling  # [B, Hkv, g, r, D]
     _, _, group, rows, dim = q.shape
-    runs = batch * hkv
-    owner = torch.repeat_interleave(torch.arange(runs, device=keys.device), lengths.flatten())  # [N] run of each slot
-    logits = torch.einsum("ngrd,nd->ngr", q.reshape(runs, group, rows, dim)[owner], keys.float()) * queries.scaling
-    if queries.softcap is not None:
-        logits = torch.tanh(logits / queries.softcap) * queries.softcap
-    allowed = queries.allowed(positions.view(1, 1, -1))[0, 0]  # [r, N]
-    logits = logits.masked_fill(~allowed.T[:, None, :], float("-inf"))
-    index = owner[:, None, None].expand_as(logits)
-    m = torch.full((runs, group, rows), float("-inf"), device=keys.device).scatter_reduce(0, index, logits, "amax")
-    safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    p = torch.exp(logits - safe[owner])
-    l = torch.zeros_like(m).index_add_(0, owner, p)
-    acc = torch.zeros(runs, group, rows, values.shape[-1], device=keys.device)
-    acc.index_add_(0, owner, p[..., None] * values.float()[:, None, None, :])
-    return m.view(batch, hkv, group, rows), l.view(batch, hkv, group, rows), acc.view(batch, hkv, group, rows, -1)
+    heads = torch.arange(hkv, device=keys.device)
+    row_ends = lengths.sum(-1).cumsum(0).tolist()
+    if rect is not None:
+        rect_keys, rect_values, rect_positions, rect_valid = rect
+        rect_allowed = queries.allowed(rect_positions, rect_valid)  # [B, Hkv, r, t]
+    states = []
+    for b, (end, row_lengths) in enumerate(zip(row_ends, lengths)):
+        n = int(row_lengths.sum())
+        start = end - n
+        logits = (q[b].reshape(-1, dim) @ keys[start:end].float().T).view(hkv, group, rows, n)
+        mine = torch.repeat_interleave(heads, row_lengths) == heads[:, None]  # [Hkv, n] slot in the head's run
+        allowed = mine[:, None, None, :] & queries.allowed(positions[start:end].view(1, 1, n))[0, 0]
+        if rect is not None:
+            logits = torch.cat([logits, torch.einsum("hgrd,htd->hgrt", q[b], rect_keys[b].float())], -1)
+            allowed = torch.cat([allowed.expand(hkv, 1, rows, n), rect_allowed[b][:, None]], -1)
+        if queries.softcap is not None:
+            logits = torch.tanh(logits / queries.softcap) * queries.softcap
+        logits.masked_fill_(~allowed, float("-inf"))
+        m = logits.amax(-1) if logits.shape[-1] else logits.new_full((hkv, group, rows), float("-inf"))
+        # an empty or fully masked run has m = -inf: clamped, its exps are exp(-inf) = 0 (state stays empty)
+        p = torch.exp(logits.sub_(m.clamp(min=torch.finfo(torch.float32).min)[..., None]))
+        acc = (p[..., :n].reshape(-1, n) @ values[start:end].float()).view(hkv, group, rows, -1)
+        if rect is not None:
+            acc = acc + torch.einsum("hgrt,htd->hgrd", p[..., n:], rect_values[b].float())
+        states.append((m, p.sum(-1), acc))
+    return tuple(torch.stack(parts) for parts in zip(*states))
 
 
 def sparse_attention(queries: Queries, keys, values, positions, selection: Selection,
