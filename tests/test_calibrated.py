@@ -160,6 +160,36 @@ def test_kvzap_global_budget_bytes_decode_and_codec(llama_file):
     assert low_bit < sum(layer.kv_nbytes() for _, layer in cache.kvpress_layers())
 
 
+@pytest.mark.parametrize("policy, extra", [("kvzap", {}), ("kvzap+kivi", dict(group_size=8, residual_length=8))])
+def test_decode_budget_on_the_tail_alone_keeps_what_the_whole_view_keeps(llama_file, policy, extra, monkeypatch):
+    """decode_budget behind flat (global-budget) runs, and under a codec that flushes generated tokens out of the
+    tail: a step that looks at the tail alone (and evicts in place there) generates the same tokens and keeps the
+    same positions and bytes in every layer as the whole-view step; the tail path is really taken."""
+    from kvpress import KVPressLayer
+
+    model = tiny_model("llama")
+    ids = torch.randint(3, 128, (1, 100), generator=torch.Generator().manual_seed(6))
+    params = dict(compression_ratio=0.75, calibration=str(llama_file), decode_budget=6, **extra)
+
+    def run():
+        cache = KVPressCache(model.config)
+        with kvpress.patch_model(model, policy, **params), torch.no_grad():
+            tokens = greedy(model, ids, 40, past_key_values=cache)
+        kept = [sorted(layer.key_positions()[0, h][layer.key_valid()[0, h]].tolist())
+                for _, layer in cache.kvpress_layers() for h in range(layer.num_kv_heads)]
+        return tokens, kept, cache.nbytes()
+
+    tail_steps = []
+    real = KVPressLayer.generated_in_tail
+    monkeypatch.setattr(KVPressLayer, "generated_in_tail", lambda self: tail_steps.append(real(self)) or tail_steps[-1])
+    tail = run()
+    assert sum(tail_steps) > 0
+    monkeypatch.setattr(KVPressLayer, "generated_in_tail", lambda self: False)
+    whole = run()
+    assert tail[0].tolist() == whole[0].tolist() and tail[1] == whole[1] and tail[2] == whole[2]
+    assert all(len([p for p in head if p >= 100]) <= 6 for head in tail[1])
+
+
 # ---------------------------------------------------------------------------- head split
 def test_head_split_streaming_heads_keep_sinks_and_window(llama_file):
     model = tiny_model("llama")

@@ -282,15 +282,41 @@ class KVPressLayer(CacheLayerMixin):
         return self.tail.data.keys.shape[:2]
 
     # ------------------------------------------------------------------ the padded view
-    def key_positions(self) -> torch.Tensor:
-        """int32 [B, Hkv, T]: original position of every slot of the padded view (fillers sit at 0)."""
-        batch, heads = self._shape()
-        return _joined([s.view_positions(o, batch, heads, self.device) for s, o in zip(self.segments, self._offsets())])
+    def _from(self, start: int) -> list[tuple[Segment, int]]:
+        """(segment, offset) of the segments from view slot `start` on (a segment boundary: 0, or tail_start())."""
+        parts = [(s, o) for s, o in zip(self.segments, self._offsets()) if o >= start]
+        if not parts or parts[0][1] != start:
+            raise ValueError(f"start={start}: not a segment boundary of this layer's view; allowed values: 0, "
+                             f"tail_start()")
+        return parts
 
-    def key_valid(self) -> torch.Tensor:
-        """[B, Hkv, T] which slots of the padded view hold real tokens."""
+    def key_positions(self, start: int = 0) -> torch.Tensor:
+        """int32 [B, Hkv, T]: original position of every slot of the padded view (fillers sit at 0); from slot
+        `start` (a segment boundary) on."""
         batch, heads = self._shape()
-        return _joined([s.view_valid(batch, heads, self.device) for s in self.segments])
+        return _joined([s.view_positions(o, batch, heads, self.device) for s, o in self._from(start)])
+
+    def key_valid(self, start: int = 0) -> torch.Tensor:
+        """[B, Hkv, T] which slots of the padded view (from slot `start` on) hold real tokens."""
+        batch, heads = self._shape()
+        return _joined([s.view_valid(batch, heads, self.device) for s, _ in self._from(start)])
+
+    def tail_start(self) -> int:
+        """The padded view's first slot of the tail (where appended tokens go)."""
+        return self.stored - self.tail.width
+
+    def generated_in_tail(self) -> bool:
+        """Every slot before the full-precision tail is a prompt token, so the generated tokens (positions >=
+        decode_start) all sit in the tail, where a decode step can evict one in place."""
+        if self.tail.flat or len(self.segments) == 1:
+            return False
+        for segment, offset in zip(self.segments[:-1], self._offsets()):
+            if segment.num_slots == 0:
+                continue
+            newest = offset + segment.num_slots - 1 if segment.positions is None else int(segment.positions.max())
+            if newest >= self.decode_start:
+                return False
+        return True
 
     def leading_fillers(self) -> torch.Tensor | None:
         """[B, Hkv] slots of the view before each row/head's first real slot (a row's left padding, or the fillers
@@ -321,12 +347,13 @@ class KVPressLayer(CacheLayerMixin):
             return self._view_part(self.tail, values=True)
         return torch.cat([self._view_part(s, values=True) for s in self.segments], 2)
 
-    def get_state(self, name: str) -> torch.Tensor | None:
-        """Per-slot policy state [B, Hkv, T] over the padded view, or None if the policy never set it."""
+    def get_state(self, name: str, start: int = 0) -> torch.Tensor | None:
+        """Per-slot policy state [B, Hkv, T] over the padded view (from slot `start`, a segment boundary, on), or
+        None if the policy never set it."""
         if not any(name in s.state for s in self.segments):
             return None
         batch, heads = self._shape()
-        return _joined([s.view_state(name, batch, heads, self.device) for s in self.segments])
+        return _joined([s.view_state(name, batch, heads, self.device) for s, _ in self._from(start)])
 
     def set_state(self, name: str, state: torch.Tensor) -> None:
         """Store per-slot policy state given over the padded view [B, Hkv, T]."""
@@ -334,6 +361,21 @@ class KVPressLayer(CacheLayerMixin):
         for segment, offset in zip(self.segments, self._offsets()):
             out.append(segment.with_view_state(name, state[..., offset:offset + segment.width]))
         self.segments = out
+
+    def set_newest_state(self, name: str, values: torch.Tensor) -> None:
+        """Per-slot state `name` of the newest r slots, values [B, Hkv, r] (the tokens just appended: the last r
+        slots of a rectangular tail); other slots keep theirs (zeros where never set). Touches the tail only."""
+        tail, rows = self.tail, values.shape[-1]
+        if tail.flat or tail.num_slots < rows:  # the newest slots are not the tail's last: through the whole view
+            state = self.get_state(name)
+            state = values.new_zeros(self.key_valid().shape) if state is None else state.clone()
+            state[..., -rows:] = values
+            self.set_state(name, state)
+            return
+        batch, heads = self._shape()
+        state = tail.view_state(name, batch, heads, self.device).to(values.dtype).clone()
+        state[..., -rows:] = values
+        self.segments[-1] = dataclasses.replace(tail, state={**tail.state, name: state})
 
     def drop_state(self, name: str) -> None:
         """Forget per-slot state `name` (a policy that no longer needs it: its bytes are freed)."""

@@ -209,12 +209,15 @@ def first_slots(layer, n: torch.Tensor, among: torch.Tensor | None = None) -> to
     return _by_position(layer, n, among, newest=False)
 
 
-def last_slots(layer, n: torch.Tensor, among: torch.Tensor | None = None) -> torch.Tensor:
-    """Mask [B, Hkv, T] of the `n` [B, Hkv] newest slots of each row/head among `among` (default: real slots)."""
-    return _by_position(layer, n, among, newest=True)
+def last_slots(layer, n: torch.Tensor, among: torch.Tensor | None = None,
+               positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Mask [B, Hkv, T] of the `n` [B, Hkv] newest slots of each row/head among `among` (default: real slots).
+    `positions`: of the slots `among` covers when that is not the whole view (a part from a segment boundary)."""
+    return _by_position(layer, n, among, newest=True, positions=positions)
 
 
-def position_rank(layer, among: torch.Tensor | None = None, newest_first: bool = False) -> torch.Tensor:
+def position_rank(layer, among: torch.Tensor | None = None, newest_first: bool = False,
+                  positions: torch.Tensor | None = None) -> torch.Tensor:
     """[B, Hkv, T] rank of each slot among its row/head's `among` slots (default: the real ones) by original
     position, 0 = the oldest (the newest with newest_first); slots outside `among` rank after all of them."""
     among = layer.key_valid() if among is None else among
@@ -222,30 +225,30 @@ def position_rank(layer, among: torch.Tensor | None = None, newest_first: bool =
         counts = among.flip(-1).cumsum(-1).flip(-1) if newest_first else among.cumsum(-1)
         return torch.where(among, counts - 1, among.shape[-1])
     # slots evicted in place no longer follow position order: rank them by position
-    positions = layer.key_positions().long()
+    positions = (layer.key_positions() if positions is None else positions).long()
     far = torch.iinfo(torch.long).min if newest_first else torch.iinfo(torch.long).max
     order = positions.masked_fill(~among, far).argsort(dim=-1, descending=newest_first, stable=True)
     return order.argsort(-1)
 
 
-def _by_position(layer, n, among, newest):
+def _by_position(layer, n, among, newest, positions=None):
     among = layer.key_valid() if among is None else among
     if not layer.sorted and n.numel() and bool((n == n.flatten()[0]).all()):
         k = min(int(n.flatten()[0]), among.shape[-1])  # the same count everywhere: one top-k by position
+        positions = layer.key_positions() if positions is None else positions
         if newest:
             # A recent window (H2O) is never evicted, so its k positions are normally all still there: the slots
             # within k of each head's newest position are then exactly the k newest (k distinct positions in a
             # range of k). Checked by counting; otherwise the top-k below decides.
-            positions = layer.key_positions()
             top = positions.masked_fill(~among, -1).amax(-1, keepdim=True)
             window = among & (positions > top - k)
             if bool((window.sum(-1) == among.sum(-1).clamp(max=k)).all()):
                 return window
         far = torch.iinfo(torch.long).min if newest else torch.iinfo(torch.long).max
-        key = layer.key_positions().long().masked_fill(~among, far)
+        key = positions.long().masked_fill(~among, far)
         chosen = torch.zeros_like(among).scatter_(-1, key.topk(k, dim=-1, largest=newest).indices, True)
         return among & chosen
-    return among & (position_rank(layer, among, newest_first=newest) < n[..., None])
+    return among & (position_rank(layer, among, newest_first=newest, positions=positions) < n[..., None])
 
 
 def select_kept(
@@ -291,10 +294,12 @@ def evict_to_budget(layer, scores: torch.Tensor, budget: torch.Tensor, kept_firs
 
 
 def keep_best(layer, scores: torch.Tensor, valid: torch.Tensor, n_keep: torch.Tensor,
-              protected: torch.Tensor | None = None, n_valid: torch.Tensor | None = None) -> None:
+              protected: torch.Tensor | None = None, n_valid: torch.Tensor | None = None, offset: int = 0) -> bool:
     """Keep the best `n_keep` [B, Hkv] real slots of each row/head, protected ones first (select_kept). When every
     head has exactly one slot too many (a decode step of a policy that holds its budget), the one it drops is
-    evicted in place (layer.replace_newest: the new token takes its slot), not by copying the layer."""
+    evicted in place (layer.replace_newest: the new token takes its slot), not by copying the layer.
+    With `offset` > 0 the tensors cover the view's slots from `offset` on (the others stay) and only the in-place
+    eviction is tried: returns whether it was done (always True for offset 0)."""
     n_valid = valid.sum(-1) if n_valid is None else n_valid
     if bool(((n_valid - n_keep) == 1).all()):
         s = scores.float().masked_fill(~valid, math.inf)
@@ -302,9 +307,12 @@ def keep_best(layer, scores: torch.Tensor, valid: torch.Tensor, n_keep: torch.Te
             s = s.masked_fill(protected & valid, math.inf)
         # the lowest score; among ties the latest slot, the one select_kept's stable sort would drop
         victims = s.shape[-1] - 1 - s.flip(-1).argmin(-1)
-        if layer.replace_newest(victims):
-            return
+        if layer.replace_newest(victims + offset):
+            return True
+    if offset:
+        return False
     layer.keep(*select_kept(scores, valid, n_keep, protected))
+    return True
 
 
 def evict_after_prompt(run: ModelPass, scores: dict, allocation: str, head_floor: float = 0.0) -> None:
@@ -565,18 +573,33 @@ class ScorerPolicy(BudgetPolicy):
         evict_to_budget(layer, scores, layer.row_budget if budget is None else budget, kept_first,
                         self.budget_allocation, self.head_floor, ctx.shards, ctx.observers)
 
+    def score_from(self, ctx: Context, start: int) -> torch.Tensor:
+        """score(ctx) of the view's slots from `start` (a segment boundary) on. A policy whose scores are stored
+        per slot reads just those (decode_budget scores only the tail, where generated tokens sit)."""
+        return self.score(ctx)[..., start:]
+
     def compress_generated(self, ctx: Context) -> None:
-        """Hold generated tokens (position >= the prompt's end) to decode_budget; prompt slots stay."""
+        """Hold generated tokens (position >= the prompt's end) to decode_budget; prompt slots stay. When they all
+        sit in the layer's tail (normally), only the tail is looked at and the one token a step drops is evicted in
+        place there: the cost of a step does not grow with the prompt's slots."""
         layer = ctx.layer
-        valid = layer.key_valid()
-        generated = valid & (layer.key_positions() >= layer.decode_start)
+        if not (layer.generated_in_tail() and self._compress_generated(ctx, layer.tail_start())):
+            self._compress_generated(ctx, 0)
+
+    def _compress_generated(self, ctx: Context, start: int) -> bool:
+        """compress_generated over the view's slots from `start` on, which hold every generated token. Returns
+        False, changing nothing, when start > 0 and the eviction is not one slot per head in place."""
+        layer = ctx.layer
+        positions, valid = layer.key_positions(start), layer.key_valid(start)
+        generated = valid & (positions >= layer.decode_start)
         n_generated = generated.sum(-1)
         if not bool((n_generated > self.decode_budget).any()):
-            return
+            return True
         budget = torch.minimum(n_generated, torch.full_like(n_generated, self.decode_budget))
-        recent = last_slots(layer, budget - budget // 2, among=generated)
+        recent = last_slots(layer, budget - budget // 2, among=generated, positions=positions)
         prompt = valid & ~generated
-        keep_best(layer, self.score(ctx), valid, prompt.sum(-1) + budget, prompt | recent)
+        scores = self.score(ctx) if start == 0 else self.score_from(ctx, start)
+        return keep_best(layer, scores, valid, prompt.sum(-1) + budget, prompt | recent, offset=start)
 
 
 def chunk_share(layer, prompt_tokens: torch.Tensor, prompt_length: int, q_len: int, observers: int = 0):

@@ -61,16 +61,14 @@ class KVzap(ScorerPolicy):
         if ctx.phase != "prefill" and self.decode_budget is None:
             return
         predicted = self.predictor.predict(ctx.layer_idx, ctx.hidden_states)  # [B, Hkv, q_len]
-        state = ctx.layer.get_state(_STATE)
-        if state is None:
-            state = predicted.new_zeros(ctx.layer.key_valid().shape)
-        state = state.clone()
         # under tensor parallelism the hidden states are whole and the layer holds a block of the KV heads
-        state[..., -ctx.q_len:] = HeadShards.of(ctx.layer.num_kv_heads, predicted.shape[1]).local(predicted)
-        ctx.layer.set_state(_STATE, state)
+        ctx.layer.set_newest_state(_STATE, HeadShards.of(ctx.layer.num_kv_heads, predicted.shape[1]).local(predicted))
 
     def score(self, ctx: Context) -> torch.Tensor:
         return _with_sinks(ctx.layer, ctx.layer.get_state(_STATE), self.n_sink)
+
+    def score_from(self, ctx: Context, start: int) -> torch.Tensor:
+        return ctx.layer.get_state(_STATE, start)  # past the prompt's slots, so past its sinks
 
     def on_prefill(self, ctx: Context) -> None:
         if self.budget_allocation == "global":
