@@ -98,7 +98,8 @@ def accuracy_per_byte(summary: list[dict]) -> list[dict]:
                 continue  # a config must cover every task, against a full-cache reference, to be compared
             points.append(dict(mode=mode, length=length, policy=policy, ratio=ratio,
                                score=round(_mean([by_task[t]["score"] for t in tasks]), 2),
-                               bytes=round(_mean([by_task[t]["cache_bytes"] / full[t] for t in tasks]), 4)))
+                               bytes=round(_mean([by_task[t]["cache_bytes"] / full[t] for t in tasks]), 4),
+                               n=min(by_task[t]["n"] for t in tasks)))
         for p in points:
             p["frontier"] = not any((q["bytes"] <= p["bytes"] and q["score"] > p["score"]) or
                                     (q["bytes"] < p["bytes"] and q["score"] >= p["score"]) for q in points)
@@ -106,10 +107,15 @@ def accuracy_per_byte(summary: list[dict]) -> list[dict]:
     return out
 
 
-def best_within(points: list[dict], budget: float) -> dict | None:
-    """The highest-scoring config holding at most `budget` of the full cache's bytes (fewer bytes breaks ties)."""
-    fits = [p for p in points if p["bytes"] <= budget]
+def best_within(points: list[dict], budget: float, min_n: int = 0) -> dict | None:
+    """The highest-scoring config holding at most `budget` of the full cache's bytes (fewer bytes breaks ties),
+    among those measured on at least `min_n` samples per task (a few lucky samples do not make a best config)."""
+    fits = [p for p in points if p["bytes"] <= budget and p.get("n", 0) >= min_n]
     return max(fits, key=lambda p: (p["score"], -p["bytes"])) if fits else None
+
+
+def _label(point: dict) -> str:
+    return point["policy"] if point["ratio"] == 0 else f"{point['policy']} @ {point['ratio']:.2f}"
 
 
 def frontier_markdown(summary: list[dict]) -> str:
@@ -119,26 +125,28 @@ def frontier_markdown(summary: list[dict]) -> str:
              "the run, as a fraction of the full cache's; score: average over tasks (x100). Full = policy none.\n"]
     for mode, length in sorted({(p["mode"], p["length"]) for p in points}, key=lambda k: (k[0], k[1] or 0)):
         cell = [p for p in points if (p["mode"], p["length"]) == (mode, length)]
-        full = next((p["score"] for p in cell if p["policy"] == "none"), float("nan"))
-        parts.append(f"**{mode}, {length} tokens**: best config at a byte budget (full cache: {full:.1f})\n")
-        parts.append("| bytes <= | best config | bytes | score | % of full's score |")
-        parts.append("|---|---|---|---|---|")
+        reference = next((p for p in cell if p["policy"] == "none"), None)
+        full = reference["score"] if reference else float("nan")
+        full_n = reference["n"] if reference else 0
+        parts.append(f"**{mode}, {length} tokens**: best config at a byte budget (full cache: {full:.1f}, "
+                     f"n = {full_n} per task; only configs measured on as many samples per task compete)\n")
+        parts.append("| bytes <= | best config | bytes | score | % of full's score | n per task |")
+        parts.append("|---|---|---|---|---|---|")
         for budget in BYTE_BUDGETS:
-            best = best_within(cell, budget)
+            best = best_within(cell, budget, full_n)
             if best is None:
-                parts.append(f"| {budget:.0%} | (none fits) | | | |")
+                parts.append(f"| {budget:.0%} | (none fits) | | | | |")
                 continue
-            label = best["policy"] if best["ratio"] == 0 else f"{best['policy']} @ {best['ratio']:.2f}"
-            parts.append(f"| {budget:.0%} | {label} | {best['bytes']:.1%} | {best['score']:.1f} | "
-                         f"{100 * best['score'] / full:.0f}% |" if full == full and full else
-                         f"| {budget:.0%} | {label} | {best['bytes']:.1%} | {best['score']:.1f} | |")
-        parts.append("\nFrontier (no config is better with fewer bytes):\n")
-        parts.append("| config | bytes | score |")
-        parts.append("|---|---|---|")
+            share = f"{100 * best['score'] / full:.0f}%" if full == full and full else ""
+            parts.append(f"| {budget:.0%} | {_label(best)} | {best['bytes']:.1%} | {best['score']:.1f} | {share} | "
+                         f"{best['n']} |")
+        parts.append("\nFrontier (no config is better with fewer bytes; n: samples per task, fewer than the full "
+                     "cache's: a noisy point):\n")
+        parts.append("| config | bytes | score | n per task |")
+        parts.append("|---|---|---|---|")
         for p in cell:
             if p["frontier"]:
-                label = p["policy"] if p["ratio"] == 0 else f"{p['policy']} @ {p['ratio']:.2f}"
-                parts.append(f"| {label} | {p['bytes']:.1%} | {p['score']:.1f} |")
+                parts.append(f"| {_label(p)} | {p['bytes']:.1%} | {p['score']:.1f} | {p['n']} |")
         parts.append("")
     return "\n".join(parts)
 

@@ -78,3 +78,25 @@ def test_score_prediction_best_reference_and_first_line():
         pytest.approx(0.5)
     with pytest.raises(ValueError, match="metric="):
         score_prediction("bleu", "x", ["x"])
+
+
+def test_best_config_within_a_byte_budget_needs_as_many_samples_as_the_full_cache():
+    """A config scored on a few lucky samples is shown on the frontier (with its n) but is not named the best
+    config at a byte budget; the best is chosen among configs measured like the full cache."""
+    from evals.report import accuracy_per_byte, best_within, frontier_markdown
+
+    def cell(task, policy, ratio, score, cache_bytes, n):
+        return dict(task=task, length=4096, mode="query_agnostic", policy=policy, ratio=ratio, n=n, score=score,
+                    kv_bytes=cache_bytes, cache_bytes=cache_bytes, prefill_s=1.0, decode_s=1.0, new_tokens=5.0)
+
+    summary = [cell(t, "none", 0.0, 60.0, 1000, 20) for t in ("a", "b")]
+    summary += [cell(t, "lucky", 0.5, 90.0, 100, 3) for t in ("a", "b")]
+    summary += [cell("a", "measured", 0.5, 55.0, 150, 20), cell("b", "measured", 0.5, 50.0, 150, 20)]
+    points = accuracy_per_byte(summary)
+    assert {p["policy"]: p["n"] for p in points} == {"none": 20, "lucky": 3, "measured": 20}
+    assert best_within(points, 0.25)["policy"] == "lucky"  # without a sample floor, the lucky one wins
+    best = best_within(points, 0.25, min_n=20)
+    assert (best["policy"], best["score"], best["bytes"]) == ("measured", 52.5, 0.15)
+    text = frontier_markdown(summary)
+    assert "| 25% | measured @ 0.50 | 15.0% | 52.5 | 88% | 20 |" in text
+    assert "| lucky @ 0.50 | 10.0% | 90.0 | 3 |" in text
