@@ -4,6 +4,7 @@ hybrid sliding-window model and around EOS."""
 
 import gc
 import threading
+import time
 import weakref
 
 import numpy as np
@@ -51,6 +52,96 @@ def test_two_threads_share_one_patched_model(policy, params):
     assert errors == []
     assert len(results) == 60
     assert all(out == expected[i] for i, out in results.values())
+
+
+def test_unpatch_waits_for_a_generate_running_on_another_thread():
+    """unpatch() from one thread while another is generating on the patched model waits for that call, which
+    finishes compressed exactly as it would alone; then the model is restored."""
+    model = tiny_model("llama")
+    ids = torch.randint(3, 128, (1, 40))
+    patch = kvpress.patch_model(model, "snapkv", compression_ratio=0.5)
+    expected = greedy(model, ids, 6).tolist()
+    started, release = threading.Event(), threading.Event()
+    calls = []
+
+    def hold_second_forward(module, args):  # the generating thread stops in its first decode step
+        calls.append(1)
+        if len(calls) == 2:
+            started.set()
+            release.wait(10)
+
+    hold = model.model.layers[0].register_forward_pre_hook(hold_second_forward)
+    out = {}
+    generating = threading.Thread(target=lambda: out.setdefault("tokens", greedy(model, ids, 6).tolist()))
+    unpatching = threading.Thread(target=patch.unpatch)
+    generating.start()
+    assert started.wait(10)
+    unpatching.start()
+    unpatching.join(0.3)
+    assert unpatching.is_alive() and model.config._attn_implementation == "kvpress_sdpa"  # waiting for the call
+    release.set()
+    generating.join(10)
+    unpatching.join(10)
+    hold.remove()
+    assert out["tokens"] == expected
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_patching_and_unpatching_on_one_thread_never_gives_another_wrong_tokens():
+    """One thread patches and unpatches in a loop while another generates with the model: each generate returns
+    the plain model's tokens or the compressed ones (whichever state it ran in from start to end), or raises
+    kvpress's error for a stock cache that a patch met half-way; never anything else."""
+    model = tiny_model("llama")
+    ids = torch.randint(3, 128, (1, 40))
+    plain = greedy(model, ids, 6).tolist()
+    with kvpress.patch_model(model, "snapkv", compression_ratio=0.5):
+        compressed = greedy(model, ids, 6).tolist()
+    assert plain != compressed
+    stop, outcomes = threading.Event(), []
+
+    def toggle():
+        while not stop.is_set():
+            with kvpress.patch_model(model, "snapkv", compression_ratio=0.5):
+                time.sleep(0.002)
+            time.sleep(0.002)
+
+    toggling = threading.Thread(target=toggle)
+    toggling.start()
+    try:
+        for _ in range(40):
+            try:
+                tokens = greedy(model, ids, 6).tolist()
+                outcomes.append("plain" if tokens == plain else "compressed" if tokens == compressed else "WRONG")
+            except (ValueError, RuntimeError) as e:
+                assert "kvpress" in str(e) or "past_key_values=DynamicCache" in str(e) or "patch" in str(e), e
+                outcomes.append("raised")
+    finally:
+        stop.set()
+        toggling.join(10)
+    assert "WRONG" not in outcomes
+    assert not model.config._attn_implementation.startswith("kvpress")
+
+
+def test_a_compressed_cache_run_by_the_unpatched_model_raises():
+    """Slots that are no longer positions 0..n-1 (evicted, or low-bit) would be read as plain keys by the model's
+    own attention: continuing such a cache after unpatch() raises, naming patch_model; an uncompressed one runs."""
+    model = tiny_model("llama")
+    ids = torch.randint(3, 128, (1, 40))
+    for policy, params, compressed in (("snapkv", dict(compression_ratio=0.5), True),
+                                       ("kivi", dict(bits=4, group_size=8, residual_length=8), True),
+                                       ("none", {}, False)):
+        cache = KVPressCache(model.config)
+        with kvpress.patch_model(model, policy, **params), torch.no_grad():
+            logits = model(ids, past_key_values=cache).logits[:, -1:]
+        step = dict(input_ids=logits.argmax(-1), past_key_values=cache)
+        if compressed:
+            seen = cache.get_seq_length()
+            with pytest.raises(RuntimeError, match="not patched by kvpress.*patch_model"):
+                model(**step)
+            assert cache.get_seq_length() == seen
+        else:
+            with torch.no_grad():
+                model(**step)
 
 
 def test_models_dropped_while_patched_are_freed():

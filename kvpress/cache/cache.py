@@ -60,6 +60,7 @@ class KVPressCache(Cache):
         self.prefilling = False  # the forward in flight is a prompt forward (set by the patch's model hooks)
         self.prefill_nbytes: int | None = None  # bytes held right after the prompt (recorded by the patch)
         self.prefill_kv_nbytes: int | None = None
+        self.patched_forwards = 0  # forwards of a kvpress-patched model running on this cache (set by the patch)
 
     def set_attention_mask(self, attention_mask: torch.Tensor | None) -> None:
         """Record the 2-D padding mask [B, seen + q_len] of the forward about to run (set by the patch's
@@ -74,6 +75,12 @@ class KVPressCache(Cache):
                 self.layers.append(self.layer_class_to_replicate())
         layer = self.layers[layer_idx]
         if isinstance(layer, KVPressLayer):
+            if not self.patched_forwards and not layer.stock_readable:
+                # the model's own attention would read these slots as positions 0..n-1 of plain keys: wrong tokens
+                raise RuntimeError(
+                    f"KVPressCache layer {layer_idx} holds compressed slots (evicted or low-bit), but the model running "
+                    f"it is not patched by kvpress (never patched, or unpatched since); run it under "
+                    f"kvpress.patch_model(...)")
             q_len = key_states.shape[-2]
             new_valid = None
             if self._token_mask is not None and self._token_mask.shape[-1] >= q_len:

@@ -267,6 +267,12 @@ class KVPressLayer(CacheLayerMixin):
         return self.tail.data.keys.shape[1]
 
     @property
+    def stock_readable(self) -> bool:
+        """A model's own attention can read this layer: one full-precision rectangle whose slot j holds position j
+        (nothing evicted, nothing low-bit, no flat runs)."""
+        return not self.compacted and len(self.segments) <= 1 and not (self.segments and self.tail.flat)
+
+    @property
     def is_compacted(self) -> bool:
         """True once any token was evicted: slot j no longer sits at position j."""
         return self.compacted

@@ -50,10 +50,13 @@ class _Binding:
 
 
 class _InFlight(threading.local):
-    """Per thread: attention module -> (cache, input hidden states) of the forward it is running."""
+    """Per thread: attention module -> (cache, input hidden states) of the forward it is running, and the patched
+    generate / forward calls this thread has entered (innermost last: the cache a forward was given, None for a
+    generate call)."""
 
     def __init__(self):
         self.calls = {}
+        self.entered = []
 
 
 # ---------------------------------------------------------------------------- the attention function
@@ -147,6 +150,10 @@ class Patch:
         every = [m.layer_idx for m in attention_modules]
         budget_layers = [i for i in every if layer_types[i] != "sliding_attention"] or every
         self._handles = []
+        # patched generate / forward calls running on any thread: unpatch() waits until there are none, so a call
+        # never runs half patched (its cache compressed by some steps and read as a stock cache by the next)
+        self._running = 0
+        self._running_changed = threading.Condition()
         self._previous = {name: model.__dict__.get(name, _ABSENT) for name in ("generate", "forward")}
         if base == "eager":
             self._base_fn = _eager_function(attention_modules[0])
@@ -166,8 +173,10 @@ class Patch:
             _BINDINGS[module] = _Binding(self, rotary, None if rank is None else (rank, len(budget_layers)))
             self._handles.append(module.register_forward_pre_hook(self._bind, with_kwargs=True))
             self._handles.append(module.register_forward_hook(self._unbind, always_call=True))
+        self._handles.append(model.register_forward_pre_hook(self._enter_forward, with_kwargs=True, prepend=True))
         self._handles.append(model.register_forward_pre_hook(self._before_forward, with_kwargs=True))
         self._handles.append(model.register_forward_hook(self._after_forward, with_kwargs=True))
+        self._handles.append(model.register_forward_hook(self._exit_forward, with_kwargs=True, always_call=True))
         self._attention_modules = [weakref.ref(m) for m in attention_modules]
         model.generate = self._wrap_generate(model.generate)
         if prefill_chunk_size is not None:
@@ -185,6 +194,31 @@ class Patch:
 
     def _unbind(self, module, args, output):
         self.live.calls.pop(module, None)
+
+    # -- calls in flight (what unpatch waits for)
+    def _enter(self, cache) -> None:
+        with self._running_changed:
+            self._running += 1
+        self.live.entered.append(cache)
+        if isinstance(cache, KVPressCache):
+            cache.patched_forwards += 1
+
+    def _exit(self) -> None:
+        cache = self.live.entered.pop()
+        if isinstance(cache, KVPressCache):
+            cache.patched_forwards -= 1
+        with self._running_changed:
+            self._running -= 1
+            self._running_changed.notify_all()
+
+    def _enter_forward(self, model, args, kwargs):
+        self._enter(kwargs.get("past_key_values"))
+
+    def _exit_forward(self, model, args, kwargs, output):
+        # runs even when the forward raised (always_call); a forward that began before this patch existed (on
+        # another thread) entered nothing and leaves nothing
+        if self.live.entered:
+            self._exit()
 
     def _before_forward(self, model, args, kwargs):
         # Compression must never switch itself off without a word: a stock cache, or an attention implementation
@@ -278,7 +312,11 @@ class Patch:
         def kvpress_generate(*args, **kwargs):
             if kwargs.get("past_key_values") is None and kwargs.get("use_cache", True):
                 kwargs["past_key_values"] = KVPressCache(model.config)
-            out = generate(*args, **kwargs)
+            self._enter(None)
+            try:
+                out = generate(*args, **kwargs)
+            finally:
+                self._exit()
             cache = kwargs["past_key_values"] if kwargs.get("use_cache", True) else None
             if isinstance(cache, KVPressCache):
                 _LAST_STATS[model] = cache_summary(cache, self.policy)
@@ -384,9 +422,18 @@ class Patch:
 
     # -- undo
     def unpatch(self) -> None:
-        """Restore the model exactly as it was before patch_model."""
+        """Restore the model exactly as it was before patch_model, once no generate or forward call is running on
+        it (calls that other threads start meanwhile are waited for too)."""
         if self.model is None or _PATCHES.get(self.model) is not self:
             return
+        if self.live.entered:
+            raise RuntimeError("unpatch() was called inside a generate or forward call of the model it unpatches; "
+                               "call it after that call returns")
+        with self._running_changed:
+            self._running_changed.wait_for(lambda: self._running == 0)
+            self._restore()
+
+    def _restore(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles = []
