@@ -12,8 +12,9 @@ counts, stored flat (the bytes freed equal the tokens removed); 'uniform', 'pyra
 `kvzip_plus=True` scores KVzip+ (the KVzap paper's target): each probability x ||W_O v|| (what the value writes
 into the residual stream, per query head) / ||h|| (the norm of the query row's attention input).
 
-Cost: the replay is a second forward over the prompt (+ a few instruction tokens per chunk), and the restricted
-scores one more pass over chunk x (chunk + replay) logits: about 2-2.5x the plain prefill. Peak memory: the full
+Cost: the replay is a second forward over the prompt (+ a few instruction tokens per chunk) whose queries read the
+whole cache, and the restricted scores one more pass over chunk x (chunk + replay) logits: measured on CPU
+(SmolLM2, 4K) 4.3x the plain prefill, 3.2x without the scoring (docs/results/kvzip_prefill). Peak memory: the full
 prompt's cache + one replay chunk. With chunked prefill, each prompt chunk is replayed right after it is
 prefilled and cut to its share of the budget (earlier survivors stay), so the cache holds budget + one chunk.
 The chat prefix tokens are scored like the context (the reference leaves them unscored, evicting the system
