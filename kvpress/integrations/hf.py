@@ -223,6 +223,9 @@ class Patch:
     def _before_forward(self, model, args, kwargs):
         # Compression must never switch itself off without a word: a stock cache, or an attention implementation
         # changed under the patch, would run the model uncompressed. Checked before anything is computed.
+        if _PATCHES.get(model) is not self:  # unpatch() ran on another thread just as this forward started
+            raise RuntimeError("kvpress: this model was unpatched (by another thread) as this forward started; "
+                               "run the call again")
         if model.config._attn_implementation != self.attn_implementation:
             raise RuntimeError(
                 f"attn_implementation was changed to {model.config._attn_implementation!r} while kvpress patched "
