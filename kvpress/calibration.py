@@ -356,11 +356,13 @@ def _metrics(calibration: Calibration, records, n_sink: int, keep: float = 0.25)
 
 
 def calibrate(model, tokenizer, kind: str = "linear", target: str = "kvzip", n_texts: int = 16,
-              n_tokens: int = 2048, held_out: int = 4, tokens_per_text: int = 768, mlp_hidden: int = 32,
+              n_tokens: int = 2048, held_out: int = 4, tokens_per_text: int | None = None, mlp_hidden: int = 32,
               mlp_steps: int = 600, ridge: float = 1e-3, n_sink: int = 4, head_window: int = 256, seed: int = 0,
               log=print) -> Calibration:
     """Run KVzip over `n_texts` local texts of about `n_tokens` tokens, fit the predictor on all but the last
-    `held_out` texts and report its agreement with KVzip on those."""
+    `held_out` texts and report its agreement with KVzip on those. `tokens_per_text`: tokens of each text the fit
+    samples (None: every token after the sinks; on SmolLM2 that fits better than 768 sampled ones: Spearman 0.768
+    vs 0.757 held out, and 55.2 vs 51.7 on the query-agnostic suite at ratio 0.75)."""
     if kind not in ("linear", "mlp"):
         raise ValueError(f"kind={kind!r}; allowed values: 'linear', 'mlp'")
     if target not in ("kvzip", "kvzip_plus"):
@@ -380,7 +382,7 @@ def calibrate(model, tokenizer, kind: str = "linear", target: str = "kvzip", n_t
     return calibration
 
 
-def fit(records: list, identity: dict, kind: str = "linear", held_out: int = 1, tokens_per_text: int = 768,
+def fit(records: list, identity: dict, kind: str = "linear", held_out: int = 1, tokens_per_text: int | None = None,
         mlp_hidden: int = 32, mlp_steps: int = 600, ridge: float = 1e-3, n_sink: int = 4, seed: int = 0,
         settings: dict | None = None) -> Calibration:
     """Fit the per-layer predictors on `records` (collect's output) but the last `held_out`, and measure them on

@@ -168,9 +168,15 @@ def install_calibration(name: str) -> None:
 
     shipped = Path(__file__).parent / "calibrations" / f"{name}.safetensors"
     target = model_path(name) / FILE_NAME
-    if shipped.exists() and not target.exists():
+    if not shipped.exists():
+        return
+    if not target.exists():
         shutil.copyfile(shipped, target)
         print(f"[kvpress] {name}: calibration installed at {target}")
+    elif target.read_bytes() != shipped.read_bytes():
+        # an older shipped file, or one the user made with `kvpress calibrate`: never overwritten silently
+        print(f"[kvpress] {name}: {target} differs from the calibration shipped with this kvpress ({shipped}); "
+              f"kvzap and duo_attention use {target}. To use the shipped one: rm {target} && make models")
 
 
 def main(argv=None) -> None:

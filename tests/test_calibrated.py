@@ -328,3 +328,24 @@ def test_kvzap_left_padded_row_keeps_what_it_keeps_alone(llama_file, allocation)
             kept_b = sorted((b.key_positions()[1, h][b.key_valid()[1, h]] - pad).tolist())
             kept_a = sorted(a.key_positions()[0, h][a.key_valid()[0, h]].tolist())
             assert kept_b == kept_a, h
+
+
+def test_the_shipped_calibration_is_installed_but_never_overwrites_a_different_file(tmp_path, monkeypatch, capsys):
+    """make models puts the shipped file beside the weights; a file already there that differs (an older shipped
+    one, or the user's own) is kept, and the difference is said with the command that installs the shipped one."""
+    from pathlib import Path
+
+    from kvpress import models
+    from kvpress.calibration import FILE_NAME
+
+    monkeypatch.setenv(models.CACHE_ENV, str(tmp_path))
+    (tmp_path / "smollm2").mkdir()
+    target = tmp_path / "smollm2" / FILE_NAME
+    shipped = Path(models.__file__).parent / "calibrations" / "smollm2.safetensors"
+    models.install_calibration("smollm2")
+    assert target.read_bytes() == shipped.read_bytes()
+    target.write_bytes(b"the user's own calibration")
+    capsys.readouterr()
+    models.install_calibration("smollm2")
+    assert target.read_bytes() == b"the user's own calibration"
+    assert "differs from the calibration shipped" in capsys.readouterr().out
