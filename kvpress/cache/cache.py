@@ -124,6 +124,7 @@ class KVPressCache(Cache):
         out.chunked_prompt = None
         out.probe = None
         out.prefilling = False
+        out.patched_forwards = 0  # no forward runs on the copy yet
         return out
 
     def _checkpoint(self, room: int = 0) -> list:
