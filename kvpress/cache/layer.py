@@ -478,7 +478,7 @@ class KVPressLayer(CacheLayerMixin):
         evicts generated tokens, which all sit in the tail."""
         if self.tail.flat or self.tail.data.room is None or self.tail.num_slots < 2:
             return False
-        offset = self._offsets()[-1]
+        offset = self.tail_start()
         if bool((victims < offset).any()):
             return False
         victims = victims - offset
@@ -617,7 +617,7 @@ class KVPressLayer(CacheLayerMixin):
                 state = lowbit_attention_state(queries, segment.data, segment.view_positions(offset, batch, heads,
                                                self.device), segment.valid, state, precision, use_triton)
             elif segment.flat:
-                rect = (tail.data.keys, tail.data.values, tail.view_positions(self.stored - tail.width, batch, heads,
+                rect = (tail.data.keys, tail.data.values, tail.view_positions(self.tail_start(), batch, heads,
                         self.device), tail.valid) if with_runs and segment is self.segments[-2] else None
                 state = flat_attention_state(queries, segment.data.keys[0, 0], segment.data.values[0, 0],
                                              segment.positions[0, 0], segment.starts(), segment.lengths, state,
