@@ -97,17 +97,18 @@ def run(model, ids, mask, policy, params, new_tokens, breakdown=True) -> dict:
         per_step["attention"] = per_step.pop("attention+hooks", 0.0) - per_step.get("hooks", 0.0)
         per_step["rest of the model"] = 1e3 * decode_s / steps - per_step["attention"] - per_step.get("hooks", 0.0) \
             - per_step.get("append", 0.0)
-    return dict(policy=policy, ratio=params.get("compression_ratio", 0.0), budget=params.get("budget"),
+    options = {k: v for k, v in params.items() if k not in ("compression_ratio", "budget")}
+    return dict(policy=policy, options=options, ratio=params.get("compression_ratio", 0.0), budget=params.get("budget"),
                 batch=ids.shape[0], prompt=ids.shape[1], prefill_s=round(first - start, 2),
                 decode_tok_s=round(steps * ids.shape[0] / decode_s, 2), ms_per_step={k: round(v, 2) for k, v in
                                                                                per_step.items()},
                 kv_bytes_after_prefill=stats["prefill_kv_bytes"], kv_bytes_end=stats["kv_bytes"])
 
 
-def long_run(model, ids, policy, budget, new_tokens, window=100) -> dict:
+def long_run(model, ids, policy, params, new_tokens, window=100) -> dict:
     """Bytes held and tok/s over a long generation, per window of `window` tokens."""
     marks, sizes = [], []
-    with torch.no_grad(), kvpress.patch_model(model, policy, budget=budget):
+    with torch.no_grad(), kvpress.patch_model(model, policy, **params):
         cache = KVPressCache(model.config)
         logits = model(ids, past_key_values=cache).logits[:, -1]
         start = time.perf_counter()
@@ -117,7 +118,8 @@ def long_run(model, ids, policy, budget, new_tokens, window=100) -> dict:
                 marks.append(time.perf_counter())
                 sizes.append(cache.nbytes())
     rates = [window / (b - a) for a, b in zip([start] + marks[:-1], marks)]
-    return dict(policy=policy, budget=budget, tokens=new_tokens, window=window,
+    return dict(policy=policy, options={k: v for k, v in params.items() if k != "budget"}, budget=params["budget"],
+                tokens=new_tokens, window=window,
                 tok_s_per_window=[round(r, 2) for r in rates], bytes_per_window=sizes)
 
 
@@ -143,12 +145,16 @@ def main(argv=None):
 
     model, tok = load(args.model, dtype=getattr(torch, args.dtype))
     available = set(kvpress.list_policies())
-    policies = [x for x in args.policies.split(",") if x in available]
+    policies = [parse_policy(x) for x in args.policies.split(",") if x]  # specs: "h2o" or "h2o:slack=32"
+    unknown = [name for name, _ in policies if any(part not in available for part in name.split("+"))]
+    if unknown:
+        raise SystemExit(f"--policies: unknown {unknown}; allowed values: {sorted(available)}, with :key=value options")
     rows = []
     if args.long_run:
         ids = needle_prompt(tok, args.length, seed=1).input_ids
-        for policy in policies:
-            rows.append(dict(long_run(model, ids, policy, args.budget, args.long_run), label=args.label))
+        for policy, params in policies:
+            rows.append(dict(long_run(model, ids, policy, dict(params, budget=args.budget), args.long_run),
+                             label=args.label))
             print(json.dumps(rows[-1]), flush=True)
     else:
         prompts = [needle_prompt(tok, args.length - 37 * i, seed=1 + i).input_ids[0] for i in range(args.batch)]
@@ -159,7 +165,7 @@ def main(argv=None):
             ids[i, width - len(x):], mask[i, width - len(x):] = x, 1
         warm = needle_prompt(tok, 256, seed=9).input_ids
         run(model, warm, torch.ones_like(warm), "none", {}, 4, breakdown=False)
-        configs = [("none", {})] + [(pol, dict(compression_ratio=r)) for pol in policies
+        configs = [("none", {})] + [(pol, dict(params, compression_ratio=r)) for pol, params in policies
                                     for r in map(float, args.ratios.split(","))]
         configs += [parse_policy(x) for x in args.codecs.split(",") if x]
         full = None

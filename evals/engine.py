@@ -225,7 +225,7 @@ def _passive(policy: Policy) -> bool:
 def _rowwise(policy: Policy) -> bool:
     """Evicts while decoding through ScorerPolicy's own path (H2O, TOVA, StreamingLLM): Rows can run it."""
     return (isinstance(policy, ScorerPolicy) and policy.evicts_during_decode and policy.decode_budget is None
-            and not policy.rewrites_keys)
+            and policy.slack == 0 and not policy.rewrites_keys)
 
 
 @dataclass

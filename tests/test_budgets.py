@@ -302,18 +302,20 @@ def test_chunked_eviction_computes_each_chunk_over_exactly_what_earlier_chunks_k
 
 
 # ---------------------------------------------------------------------------- decode budget
-def test_decode_budget_holds_over_1000_generated_tokens():
+@pytest.mark.parametrize("slack", [0, 7])
+def test_decode_budget_holds_over_1000_generated_tokens(slack):
+    """Generated tokens never exceed decode_budget (+ slack: cut back in one step once over it)."""
     model = tiny_model("llama")
     ids = torch.randint(3, 128, (1, 100), generator=torch.Generator().manual_seed(4))
     prefill_budget, decode_budget = 25, 40
-    with kvpress.patch_model(model, "h2o", compression_ratio=0.75, decode_budget=decode_budget):
+    with kvpress.patch_model(model, "h2o", compression_ratio=0.75, decode_budget=decode_budget, slack=slack):
         cache = KVPressCache(model.config)
         logits = model(ids, past_key_values=cache).logits[:, -1]
         worst = 0
         for _ in range(1000):
             logits = model(logits.argmax(-1, keepdim=True), past_key_values=cache).logits[:, -1]
             worst = max(worst, max(int(layer.tokens_per_head().max()) for layer in cache.layers))
-    assert worst == prefill_budget + decode_budget
+    assert worst == prefill_budget + decode_budget + slack
     for layer in cache.layers:
         positions = layer.key_positions()[layer.key_valid()]
         assert int((positions < 100).sum()) == 2 * prefill_budget  # the prompt part never shrinks
@@ -329,6 +331,8 @@ def test_decode_budget_holds_over_1000_generated_tokens():
     (dict(policy="snapkv", compression_ratio=0.5, prefill_chunk_size=0), "prefill_chunk_size=0.*>= 1"),
     (dict(policy="snapkv", compression_ratio=0.5, prefill_chunk_size=16), "prefill_chunk_size=16.*window_size=32"),
     (dict(policy="h2o", compression_ratio=0.5, decode_budget=0), "decode_budget=0"),
+    (dict(policy="h2o", compression_ratio=0.5, slack=-1), "slack=-1.*an int >= 0"),
+    (dict(policy="snapkv", compression_ratio=0.5, slack=8), "slack=8 has nothing to act on.*decode_budget"),
 ])
 def test_bad_budget_options_raise_before_the_model_is_touched(kwargs, match):
     model = tiny_model("llama")

@@ -9,7 +9,7 @@ import kvpress
 from evals.engine import Rows, answer, configs_for, decode_batches, prefill
 
 POLICIES = ["none", "snapkv", "knorm", "random", "h2o", "tova", "streaming_llm", "kivi", "snapkv+kivi", "kvzip",
-            "kvzip:budget_allocation=uniform", "expected_attention", "keydiff", "kvzip+kivi"]
+            "kvzip:budget_allocation=uniform", "expected_attention", "keydiff", "kvzip+kivi", "h2o:slack=3"]
 
 
 class _CharTokenizer:  # tiny models have no tokenizer: kvzip's replay prompt comes from this one
@@ -64,6 +64,7 @@ def test_each_config_matches_its_own_patched_generate(mode):
                               "random", "snapkv")) in kinds
     assert ("NoCompression", ("kvzip",)) in kinds  # flat per-head runs: a batch of their own
     assert ("Rows", ("h2o", "streaming_llm", "tova")) in kinds
+    assert ("H2O", ("h2o:slack=3",)) in kinds  # evicts on its own schedule: alone, under its own policy
     assert sum(1 for batch, _ in batches if len(batch) == 1 and "kivi" in batch[0].policy) == 3
     for batch, policy in batches:
         tokens, _ = answer(model, pre, batch, policy, question, 8, set())

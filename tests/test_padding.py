@@ -111,6 +111,12 @@ def test_left_padded_row_equals_the_row_alone_composed(name, llama_file):  # noq
     _assert_rows_as_alone(name, _params(name, llama_file))
 
 
+def test_slack_cuts_each_row_on_its_own_schedule():
+    """Budget 80 with slack 3: the long row (90 tokens) is cut to 80 at prefill and again when it passes 83; the
+    short row (77) passes 83 only later. In the batch each row is cut when it passes its own limit, as alone."""
+    _assert_rows_as_alone("h2o", dict(budget=80, slack=3))
+
+
 CHUNKABLE = sorted(set(PARAMS) - {"kivi", "gear", "quest", "retrieval", "sink_window", "topk"})
 
 

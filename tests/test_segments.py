@@ -4,6 +4,7 @@ The reference keeps, per (row, KV head), a dict position -> (key, value, exact?)
 hold; random sequences of append / keep / quantize / crop / reorder / in-place eviction drive both, and after
 every step the layer's padded view (positions, validity, keys, values) and its bytes are checked against it."""
 
+import dataclasses
 import math
 import random
 
@@ -229,6 +230,41 @@ def test_in_place_eviction_keeps_what_copying_keeps_and_never_copies_the_layer(p
     if isinstance(policy, StreamingLLM):  # the definition: 4 sinks + the 20 newest
         seen = 48 + 49
         assert all(head == list(range(4)) + list(range(seen - 20, seen)) for layer in kept["in place"] for head in layer)
+
+
+@pytest.mark.parametrize("policy", [H2O(budget=24, recent=6, slack=5), TOVA(budget=24, slack=5),
+                                    StreamingLLM(n_sink=4, window=20, slack=5)])
+def test_slack_lets_a_layer_grow_k_tokens_then_cuts_it_back_to_the_budget_in_one_step(policy):
+    """With slack k, each decode step appends without evicting until a head holds budget + k + 1 tokens; that
+    step cuts it back to the budget. Held counts step by step: 25, 26, ..., 29, then 24 again (k = 5), and the
+    bytes never exceed those of budget + k tokens. StreamingLLM's held set is its definition at every step: the
+    4 sinks plus every newer token not yet cut."""
+    model = tiny_model("llama")
+    ids = torch.randint(3, 128, (1, 48), generator=torch.Generator().manual_seed(1))
+    held, sets, nbytes = [], [], []
+
+    def record(module, args, kwargs, output):
+        layer = cache.layers[0]
+        held.append(int(layer.key_valid()[0].sum(-1).max()))
+        sets.append(_kept(layer))
+        nbytes.append(cache.nbytes())
+
+    with kvpress.patch_model(model, policy):
+        cache = KVPressCache(model.config)
+        handle = model.register_forward_hook(record, with_kwargs=True)
+        greedy(model, ids, 20, past_key_values=cache)
+        handle.remove()
+    # forward 0 is the prompt (cut to 24); forward j >= 1 is decode step j
+    assert held == [24] + [24 + (j % 6) for j in range(1, 20)]
+    assert all(len(head) == count for heads, count in zip(sets, held) for head in heads)
+    with kvpress.patch_model(model, dataclasses.replace(policy, budget=29, slack=0)):
+        at_most = KVPressCache(model.config)  # a cache that holds budget + k tokens at every step
+        greedy(model, ids, 20, past_key_values=at_most)
+    assert max(nbytes) <= at_most.nbytes()
+    if isinstance(policy, StreamingLLM):
+        for step, heads in enumerate(sets):
+            seen = 48 + step
+            assert all(head == list(range(4)) + list(range(seen - held[step] + 4, seen)) for head in heads)
 
 
 def test_attention_over_slots_out_of_order_equals_dense_attention_at_original_positions():

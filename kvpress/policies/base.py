@@ -502,12 +502,17 @@ class ScorerPolicy(BudgetPolicy):
                          prefill budget, generated tokens are cut to this budget at every decode step (the newest
                          half always stays, the rest by the policy's score at that step); None: no cap (or,
                          for policies that evict while decoding, one budget for prompt and output together)
+      slack              tokens a layer may hold over its budget while decoding before it evicts: it then cuts
+                         back to the budget in one step, by the scores of that step. 0 (the definition): one
+                         eviction per generated token. k > 0: one per k + 1 tokens, at most budget + k tokens
+                         held (bytes bounded), the eviction's fixed cost amortised over k + 1 steps
     """
 
     budget_allocation: str = "uniform"
     head_floor: float = 0.2
     pyramid_beta: float = 20.0
     decode_budget: int | None = None
+    slack: int = 0
     allocations: ClassVar[tuple] = ("uniform", "pyramid", "adaptive")
 
     def validate(self) -> None:
@@ -515,6 +520,11 @@ class ScorerPolicy(BudgetPolicy):
         validate_allocation(self.name, self.budget_allocation, self.head_floor, self.pyramid_beta, self.allocations)
         if self.decode_budget is not None and (not isinstance(self.decode_budget, int) or self.decode_budget < 1):
             raise ValueError(f"{self.name}: decode_budget={self.decode_budget!r}; allowed values: None or an int >= 1")
+        if self.slack < 0:
+            raise ValueError(f"{self.name}: slack={self.slack!r}; allowed values: an int >= 0")
+        if self.slack and not self.evicts_during_decode and self.decode_budget is None:
+            raise ValueError(f"{self.name}: slack={self.slack!r} has nothing to act on: {self.name} evicts only at "
+                             f"prefill; allowed values: slack=0, or slack with decode_budget")
 
     def score(self, ctx: Context) -> torch.Tensor:
         """[B, Hkv, T] importance of each stored slot (higher = keep). Pure: state is updated by observe()."""
@@ -550,15 +560,46 @@ class ScorerPolicy(BudgetPolicy):
         self.start_budget(ctx)
         if ctx.prompt_tokens is None:
             self.compress(ctx, self.score(ctx))
-            return
-        share, earlier = chunk_share(ctx.layer, ctx.prompt_tokens, ctx.prompt_length, ctx.q_len, ctx.observers)
-        self.compress(ctx, self.score(ctx), budget=share, keep=earlier)
+        else:
+            share, earlier = chunk_share(ctx.layer, ctx.prompt_tokens, ctx.prompt_length, ctx.q_len, ctx.observers)
+            self.compress(ctx, self.score(ctx), budget=share, keep=earlier)
+        if self.evicts_during_decode or self.decode_budget is not None:
+            self.room_for_slack(ctx.layer)
 
     def on_decode(self, ctx: Context) -> None:
+        layer = ctx.layer
         if self.decode_budget is not None:
+            stored = layer.stored
             self.compress_generated(ctx)
         elif self.evicts_during_decode:
-            self.compress(ctx, self.score(ctx))
+            budget = self.cut_budget(layer)
+            if budget is None:
+                return
+            stored = layer.stored
+            self.compress(ctx, self.score(ctx), budget=budget)
+        else:
+            return
+        if layer.stored < stored:
+            self.room_for_slack(layer)
+
+    def room_for_slack(self, layer) -> None:
+        """After a cut, room for exactly the next slack + 1 tokens: they append in place, and the bytes held stay
+        at budget + slack + 1 slots (an append's own growth room would be 64 slots or more)."""
+        if self.slack:
+            layer.reserve(self.slack + 1)
+
+    def cut_budget(self, layer) -> torch.Tensor | None:
+        """The budget [B] a decode step cuts each row to, or None when no row needs a cut. Slack 0: the row
+        budget (compress keeps a row within it as it is). Slack k: the row budget for rows where some head holds
+        more than budget + k real tokens, and no cut for the others (each row on its own schedule, as alone)."""
+        if self.slack == 0:
+            return layer.row_budget
+        if layer.stored <= int(layer.row_budget.min()) + self.slack:
+            return None  # no head holds more slots than that, real or not: no per-slot count needed
+        held = layer.key_valid().sum(-1).amax(-1)  # [B] the fullest head of each row
+        budget = layer.row_budget.to(held)
+        over = held > budget + self.slack
+        return torch.where(over, budget, held) if bool(over.any()) else None
 
     def compress(self, ctx: Context, scores: torch.Tensor, budget: torch.Tensor | None = None,
                  keep: torch.Tensor | None = None) -> None:
@@ -593,7 +634,7 @@ class ScorerPolicy(BudgetPolicy):
         positions, valid = layer.key_positions(start), layer.key_valid(start)
         generated = valid & (positions >= layer.decode_start)
         n_generated = generated.sum(-1)
-        if not bool((n_generated > self.decode_budget).any()):
+        if not bool((n_generated > self.decode_budget + self.slack).any()):
             return True
         budget = torch.minimum(n_generated, torch.full_like(n_generated, self.decode_budget))
         recent = last_slots(layer, budget - budget // 2, among=generated, positions=positions)

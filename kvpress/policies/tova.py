@@ -15,7 +15,9 @@ class TOVA(ScorerPolicy):
     evicts_during_decode: ClassVar[bool] = True
 
     def needs(self) -> Needs:
-        return super().needs() | Needs(probabilities=True, all_heads=True)
+        # every step's probabilities come with its attention when every step evicts; with slack, the few steps
+        # that cut compute them from the stored keys (Context.attention_probs), and the others read with sdpa
+        return super().needs() | Needs(probabilities=self.slack == 0, all_heads=True)
 
     def score(self, ctx: Context):
         probs = ctx.attention_probs(last=1)[:, :, 0]  # [B, Hq, T]
