@@ -113,16 +113,17 @@ def test_a_missing_or_mismatched_calibration_is_refused_with_the_command(llama_f
 
 
 # ---------------------------------------------------------------------------- kvzap
-def test_kvzap_keeps_each_heads_top_predicted_slots(llama_file):
-    """uniform allocation: each KV head keeps its sinks, then the slots with the highest h W + b, from the stock
-    model's attention inputs and the file's weights."""
+@pytest.mark.parametrize("window", [0, 10])
+def test_kvzap_keeps_each_heads_top_predicted_slots(llama_file, window):
+    """uniform allocation: each KV head keeps its sinks (and its newest `window` tokens), then the slots with the
+    highest h W + b, from the stock model's attention inputs and the file's weights."""
     model = tiny_model("llama")
     ids = torch.randint(3, 128, (1, 90), generator=torch.Generator().manual_seed(3))
     calibration = Calibration.load(llama_file)
     inputs = _attention_inputs(model, ids)
     cache = KVPressCache(model.config)
     with kvpress.patch_model(model, "kvzap", compression_ratio=0.6, budget_allocation="uniform",
-                             calibration=str(llama_file)), torch.no_grad():
+                             calibration=str(llama_file), window=window), torch.no_grad():
         model(ids, past_key_values=cache)
     budget = 90 - math.floor(90 * 0.6)
     for rank, layer_idx in enumerate(calibration.layers):
@@ -131,6 +132,7 @@ def test_kvzap_keeps_each_heads_top_predicted_slots(llama_file):
         for head in range(predicted.shape[1]):
             scores = predicted[:, head].clone()
             scores[:4] = math.inf
+            scores[90 - window:] = math.inf
             expected = sorted(scores.argsort(descending=True, stable=True)[:budget].tolist())
             kept = sorted(layer.key_positions()[0, head][layer.key_valid()[0, head]].tolist())
             assert kept == expected, (layer_idx, head)
@@ -158,6 +160,14 @@ def test_kvzap_global_budget_bytes_decode_and_codec(llama_file):
         greedy(model, ids, 4)
     low_bit = kvpress.last_cache_stats(model)["prefill_kv_bytes"]
     assert low_bit < sum(layer.kv_nbytes() for _, layer in cache.kvpress_layers())
+    # a protected window: every head of every layer keeps the newest 8 tokens, within the same total
+    windowed = KVPressCache(model.config)
+    with kvpress.patch_model(model, "kvzap", window=8, **params), torch.no_grad():
+        model(ids, past_key_values=windowed)
+    assert sum(layer.tokens_per_head().sum(-1) for _, layer in windowed.kvpress_layers()).tolist() == [25 * 2 * 2]
+    for _, layer in windowed.kvpress_layers():
+        for head in range(2):
+            assert set(range(92, 100)) <= set(layer.key_positions()[0, head][layer.key_valid()[0, head]].tolist())
 
 
 @pytest.mark.parametrize("policy, extra", [("kvzap", {}), ("kvzap+kivi", dict(group_size=8, residual_length=8))])

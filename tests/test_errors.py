@@ -30,6 +30,7 @@ def untouched(model, attn="sdpa"):
     (dict(policy="snapkv", compression_ratio=0.5, pooling="mean"), r"pooling='mean'; allowed values: 'max', 'avg'"),
     (dict(policy="snapkv", compression_ratio=0.5, windw=3), r"unknown parameter\(s\) \['windw'\]; allowed parameters"),
     (dict(policy=42), r"policy=42; allowed values"),
+    (dict(policy="kvzap", compression_ratio=0.5, window=-1), r"kvzap: window=-1; allowed values: an int >= 0"),
 ])
 def test_bad_policy_arguments_leave_model_unpatched(kwargs, match):
     model = tiny_model("llama")

@@ -2,7 +2,9 @@
 model by `kvpress calibrate` (kvpress/calibration.py), maps each token's attention input hidden state to its
 predicted log KVzip score per KV head. The prediction is made when the token enters the cache (prompt, chunk or
 decode step) and kept as per-slot state, so prefill, chunked prefill and decode_budget all score with it at the
-cost of one small matmul per layer. Sinks (the first `n_sink` tokens) are always kept.
+cost of one small matmul per layer. Sinks (the first `n_sink` tokens) are always kept, and so are the newest
+`window` tokens of the prompt (NVIDIA runs KVzap under DMSPress, which protects a 128-token window; 0 here keeps
+the calibrated scores alone in charge).
 
 Budgets as KVzip: 'global' (default) runs one top-k over every (layer, KV head, slot) after the prompt, so layers
 and heads keep different counts (the predicted scores estimate KVzip's, which are comparable across layers);
@@ -23,7 +25,7 @@ from typing import ClassVar
 import torch
 
 from ..heads import HeadShards
-from .base import Context, ModelInfo, ModelPass, Needs, ScorerPolicy, evict_after_prompt, first_slots
+from .base import Context, ModelInfo, ModelPass, Needs, ScorerPolicy, evict_after_prompt, first_slots, last_slots
 from .registry import register
 
 _STATE = "kvzap_predicted"
@@ -35,14 +37,16 @@ class KVzap(ScorerPolicy):
     name = "kvzap"
     budget_allocation: str = "global"
     n_sink: int = 4
+    window: int = 0
     calibration: str | None = None
     predictor: object = field(default=None, repr=False, compare=False)  # the loaded Calibration (for_model)
     allocations: ClassVar[tuple] = ("global", "uniform", "pyramid", "adaptive")
 
     def validate(self) -> None:
         super().validate()
-        if self.n_sink < 0:
-            raise ValueError(f"kvzap: n_sink={self.n_sink!r}; allowed values: an int >= 0")
+        for name in ("n_sink", "window"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"kvzap: {name}={getattr(self, name)!r}; allowed values: an int >= 0")
 
     def needs(self) -> Needs:
         return super().needs() | Needs(hidden_states=True, model_pass=self.budget_allocation == "global")
@@ -65,7 +69,7 @@ class KVzap(ScorerPolicy):
         ctx.layer.set_newest_state(_STATE, HeadShards.of(ctx.layer.num_kv_heads, predicted.shape[1]).local(predicted))
 
     def score(self, ctx: Context) -> torch.Tensor:
-        return _with_sinks(ctx.layer, ctx.layer.get_state(_STATE), self.n_sink)
+        return self._protect(ctx.layer, ctx.layer.get_state(_STATE))
 
     def score_from(self, ctx: Context, start: int) -> torch.Tensor:
         return ctx.layer.get_state(_STATE, start)  # past the prompt's slots, so past its sinks
@@ -78,7 +82,7 @@ class KVzap(ScorerPolicy):
         self._release(ctx.layer)
 
     def after_prefill(self, run: ModelPass) -> None:
-        scores = {i: _with_sinks(layer, layer.get_state(_STATE), self.n_sink) for i, layer in run.layers()}
+        scores = {i: self._protect(layer, layer.get_state(_STATE)) for i, layer in run.layers()}
         evict_after_prompt(run, scores, self.budget_allocation, self.head_floor)
         for _, layer in run.layers():
             self._release(layer)
@@ -89,7 +93,10 @@ class KVzap(ScorerPolicy):
         if self.decode_budget is None:
             layer.drop_state(_STATE)
 
-
-def _with_sinks(layer, scores: torch.Tensor, n_sink: int) -> torch.Tensor:
-    sinks = first_slots(layer, torch.full(scores.shape[:2], n_sink, device=scores.device))
-    return scores.masked_fill(sinks, math.inf)
+    def _protect(self, layer, scores: torch.Tensor) -> torch.Tensor:
+        """The predicted scores with the sinks and the newest `window` slots of each head raised above all others."""
+        counts = torch.ones(scores.shape[:2], dtype=torch.long, device=scores.device)
+        kept = first_slots(layer, counts * self.n_sink)
+        if self.window:
+            kept = kept | last_slots(layer, counts * self.window)
+        return scores.masked_fill(kept, math.inf)
