@@ -563,28 +563,22 @@ class ScorerPolicy(BudgetPolicy):
         else:
             share, earlier = chunk_share(ctx.layer, ctx.prompt_tokens, ctx.prompt_length, ctx.q_len, ctx.observers)
             self.compress(ctx, self.score(ctx), budget=share, keep=earlier)
-        if self.evicts_during_decode or self.decode_budget is not None:
-            self.room_for_slack(ctx.layer)
+        self.room_for_slack(ctx.layer)
 
     def on_decode(self, ctx: Context) -> None:
         layer = ctx.layer
+        stored = layer.stored
         if self.decode_budget is not None:
-            stored = layer.stored
             self.compress_generated(ctx)
-        elif self.evicts_during_decode:
-            budget = self.cut_budget(layer)
-            if budget is None:
-                return
-            stored = layer.stored
+        elif self.evicts_during_decode and (budget := self.cut_budget(layer)) is not None:
             self.compress(ctx, self.score(ctx), budget=budget)
-        else:
-            return
         if layer.stored < stored:
             self.room_for_slack(layer)
 
     def room_for_slack(self, layer) -> None:
         """After a cut, room for exactly the next slack + 1 tokens: they append in place, and the bytes held stay
-        at budget + slack + 1 slots (an append's own growth room would be 64 slots or more)."""
+        at budget + slack + 1 slots (an append's own growth room would be 64 slots or more). A no-op with slack 0,
+        which validate() requires of policies that never evict while decoding."""
         if self.slack:
             layer.reserve(self.slack + 1)
 

@@ -51,9 +51,8 @@ class StreamingLLM(ScorerPolicy):
         behind the sinks is the one to go, found by one top-k over positions (what the generic scorer path
         decides through scores and protected masks); anything else takes that generic path."""
         layer = ctx.layer
-        if self.decode_budget is None and self.cut_budget(layer) is None:
-            return
-        if self.decode_budget is None and self.budget_allocation == "uniform" and not layer.is_flat:
+        # with slack the cut is never one token (the generic path decides when and how much)
+        if self.decode_budget is None and self.slack == 0 and self.budget_allocation == "uniform" and not layer.is_flat:
             valid = layer.key_valid()
             n_valid = valid.sum(-1)
             budget = layer.row_budget[:, None].to(n_valid)
