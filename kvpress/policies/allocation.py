@@ -60,6 +60,12 @@ def pyramid_budgets(mean_budget: torch.Tensor, n_real: torch.Tensor, n_layers: i
     return budgets.long().clamp(min=1).to(mean_budget.device)
 
 
+def comparable(scores: torch.Tensor) -> torch.Tensor:
+    """Scores in the precision they are ranked in: half precision goes up to float32, float64 stays (kvzap lifts
+    its protected window by a constant that float32 would round its predicted order away under)."""
+    return scores.to(torch.promote_types(scores.dtype, torch.float32))
+
+
 def adaptive_head_budgets(scores: torch.Tensor, valid: torch.Tensor, n_keep: torch.Tensor,
                           protected: torch.Tensor | None, floor: float) -> tuple[torch.Tensor, torch.Tensor]:
     """AdaKV: ([B, Hkv] tokens each head keeps, [B, Hkv, T] priorities to pick them by), so that a row keeps
@@ -68,7 +74,7 @@ def adaptive_head_budgets(scores: torch.Tensor, valid: torch.Tensor, n_keep: tor
     Protected slots and each head's top floor*n_keep (NVIDIA kvpress's exact-total form of AdaKV's
     round(n(1-a) + a*B) safeguard) are taken first; one top-k over every head's remaining scores fills the
     rest of the layer's total."""
-    s = scores.float().masked_fill(~valid, -math.inf)
+    s = comparable(scores).masked_fill(~valid, -math.inf)
     if protected is not None:
         s = s.masked_fill(protected & valid, math.inf)
     n_floor = torch.floor(n_keep.double() * floor).long()
@@ -88,7 +94,7 @@ def global_budgets(scores: list, valid: list, kept_first: list, total: torch.Ten
     layers and heads. `kept_first` (per layer [B, Hkv, T] or None) are taken before any other."""
     flat = []
     for s, ok, first in zip(scores, valid, kept_first):
-        s = s.float().masked_fill(~ok, -math.inf)
+        s = comparable(s).masked_fill(~ok, -math.inf)
         if first is not None:
             s = s.masked_fill(first & ok, math.inf)
         flat.append(s.flatten(1))

@@ -34,7 +34,7 @@ import torch
 
 from ..heads import SINGLE, HeadShards
 from ..kernels import attention_probs, attention_column_sums
-from .allocation import adaptive_head_budgets, global_budgets, pyramid_budgets, validate_allocation
+from .allocation import adaptive_head_budgets, comparable, global_budgets, pyramid_budgets, validate_allocation
 
 
 # ---------------------------------------------------------------------------- declarations
@@ -258,7 +258,7 @@ def select_kept(
 
     Returns (indices [B, Hkv, T'], keep_valid [B, Hkv, T']) with T' = max n_keep: storage stays
     rectangular, and rows/heads that keep fewer tokens mark the extra slots invalid (never attended)."""
-    s = scores.float()
+    s = comparable(scores)
     if protected is not None:
         s = s.masked_fill(protected & valid, math.inf)
     s = s.masked_fill(~valid, -math.inf)
@@ -302,7 +302,7 @@ def keep_best(layer, scores: torch.Tensor, valid: torch.Tensor, n_keep: torch.Te
     eviction is tried: returns whether it was done (always True for offset 0)."""
     n_valid = valid.sum(-1) if n_valid is None else n_valid
     if bool(((n_valid - n_keep) == 1).all()):
-        s = scores.float().masked_fill(~valid, math.inf)
+        s = comparable(scores).masked_fill(~valid, math.inf)
         if protected is not None:
             s = s.masked_fill(protected & valid, math.inf)
         # the lowest score; among ties the latest slot, the one select_kept's stable sort would drop
