@@ -53,9 +53,13 @@ def test_each_architecture_compresses_full_attention_layers(arch, policy):
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "phi3"])
-def test_decode_over_compressed_cache_equals_dense_attention_on_kept_tokens(arch, attn):
+def test_decode_over_compressed_cache_equals_dense_attention_on_kept_tokens(arch, attn, monkeypatch):
     """Independent computation: the stock model with a plain DynamicCache holding exactly the kept K/V and the
-    new token at its original absolute position must give the same logits, step after step."""
+    new token at its original absolute position must give the same logits, step after step. The decode steps
+    read the compacted layers with no mask at all (every slot is readable), which is what this checks."""
+    unmasked = []
+    real = KVPressLayer._reads_every_slot
+    monkeypatch.setattr(KVPressLayer, "_reads_every_slot", lambda self, q: unmasked.append(real(self, q)) or unmasked[-1])
     model = tiny_model(arch, attn)
     torch.manual_seed(1)
     ids = torch.randint(3, 128, (1, 50))
@@ -78,6 +82,31 @@ def test_decode_over_compressed_cache_equals_dense_attention_on_kept_tokens(arch
         ref = model(steps[:, i:i + 1], past_key_values=dense, position_ids=torch.tensor([[50 + i]]),
                     attention_mask=torch.ones(1, 21 + i, dtype=torch.long)).logits
         torch.testing.assert_close(logits[i], ref, atol=1e-5, rtol=1e-5)
+    assert sum(unmasked) == steps.shape[1] * len(cache.layers)
+
+
+@pytest.mark.parametrize("policy", ["h2o", "tova", "snapkv"])
+def test_unmasked_decode_reads_equal_masked_ones(policy, monkeypatch):
+    """A decode step over a rectangular layer with no invalid slot reads it without a mask (sdpa, or the written-out
+    softmax that gives H2O and TOVA their probabilities): the same tokens, kept positions and accumulated scores as
+    the same steps with the mask built from stored positions."""
+    model = tiny_model("llama")
+    ids = torch.randint(3, 128, (1, 100), generator=torch.Generator().manual_seed(2))
+
+    def run():
+        cache = KVPressCache(model.config)
+        with kvpress.patch_model(model, policy, budget=40):
+            tokens = greedy(model, ids, 30, past_key_values=cache)
+        return tokens, [layer.key_positions() for layer in cache.layers], [layer.get_state("h2o_accumulated_attention")
+                                                                          for layer in cache.layers]
+
+    unmasked = run()
+    monkeypatch.setattr(KVPressLayer, "_reads_every_slot", lambda self, queries: False)
+    masked = run()
+    assert torch.equal(unmasked[0], masked[0])
+    assert all(torch.equal(a, b) for a, b in zip(unmasked[1], masked[1]))
+    for a, b in zip(unmasked[2], masked[2]):
+        assert (a is None) == (b is None) and (a is None or torch.allclose(a, b, atol=1e-6))
 
 
 def _instrument(model, record):

@@ -21,7 +21,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..cache import KVPressCache, KVPressLayer
-from ..cache.layer import Read
+from ..cache.layer import UNMASKED, Read
 from ..kernels.online_softmax import Queries
 from ..kernels.sparse_attention import Selection
 from ..policies import Context, Policy, resolve_policy
@@ -105,7 +105,7 @@ def kvpress_attention(module, query, key, value, attention_mask, **kwargs):
     def base(q, keys, values, mask):
         if mask is None:
             return patch.base_attention(module, q, keys, values, attention_mask, **kwargs)[0]
-        return patch.masked_attention(module, q, keys, values, mask, **kwargs)[0]
+        return patch.masked_attention(module, q, keys, values, None if mask is UNMASKED else mask, **kwargs)[0]
 
     output, ctx.probs = layer.attend(read, base)
     out = (output, None)
@@ -299,7 +299,11 @@ class Patch:
         return self._base_fn(module, query, key, value, attention_mask, **kwargs)
 
     def masked_attention(self, module, query, key, value, allowed, **kwargs):
-        """Base attention with kvpress's own boolean mask [B, Hq, q, T] (a compacted layer)."""
+        """Base attention with kvpress's own boolean mask [B, Hq, q, T] (a compacted layer), or none (None: every
+        query reads every slot)."""
+        if allowed is None:
+            attend = self._base_fn if self.base == "eager" else sdpa_attention_forward
+            return attend(module, query, key, value, None, **kwargs)
         if self.base == "eager":
             mask = torch.zeros(allowed.shape, dtype=query.dtype, device=query.device)
             mask = mask.masked_fill(~allowed, torch.finfo(query.dtype).min)
