@@ -371,6 +371,18 @@ class KVPressLayer(CacheLayerMixin):
             out.append(segment.with_view_state(name, state[..., offset:offset + segment.width]))
         self.segments = out
 
+    def add_state(self, name: str, values: torch.Tensor) -> None:
+        """Per-slot state `name` += values [B, Hkv, T] over the padded view (never set: zeros). A layer that is one
+        rectangle (every decode-time evictor's, between cuts) adds in one op, without joining and re-slicing."""
+        tail = self.tail
+        if len(self.segments) == 1 and not tail.flat:
+            old = tail.state.get(name)
+            summed = values if old is None else old + values
+            self.segments[0] = dataclasses.replace(tail, state={**tail.state, name: summed})
+            return
+        state = self.get_state(name)
+        self.set_state(name, values if state is None else state + values)
+
     def set_newest_state(self, name: str, values: torch.Tensor) -> None:
         """Per-slot state `name` of the newest r slots, values [B, Hkv, r] (the tokens just appended: the last r
         slots of a rectangular tail); other slots keep theirs (zeros where never set). Touches the tail only."""

@@ -35,9 +35,7 @@ class H2O(ScorerPolicy):
 
     def observe(self, ctx: Context) -> None:
         # Accumulate this forward's attention into the per-slot state the layer carries between steps.
-        received = ctx.to_kv_heads(ctx.attention_column_sums(), "sum")
-        accumulated = ctx.layer.get_state(_STATE)
-        ctx.layer.set_state(_STATE, received if accumulated is None else accumulated + received)
+        ctx.layer.add_state(_STATE, ctx.to_kv_heads(ctx.attention_column_sums(), "sum"))
 
     def score(self, ctx: Context):
         return ctx.layer.get_state(_STATE)
