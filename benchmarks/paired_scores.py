@@ -29,6 +29,9 @@ def main(argv=None):
     parser.add_argument("--policies", required=True, help="comma list of policy specs as written in the results")
     parser.add_argument("--ratios", default="0.5,0.75", help="compression ratios ('none' and ratio-free policies: "
                                                             "their one ratio is used)")
+    parser.add_argument("--versus", default=None,
+                        help="a policy of --policies: also print each other policy's paired difference from it, "
+                             "+- one standard error of the paired mean")
     args = parser.parse_args(argv)
     rows = load(args.folders)
     policies = args.policies.split(",")
@@ -50,6 +53,15 @@ def main(argv=None):
         shared = set.intersection(*(set(s) for s in scored))
         means = [100 * sum(s[k] for k in shared) / max(1, len(shared)) for s in scored]
         print(f"| {ratio} | " + " | ".join(f"{m:.1f}" for m in means) + f" | {len(shared)} |")
+        if args.versus is not None:
+            base = scored[policies.index(args.versus)]
+            for policy, s in zip(policies, scored):
+                if policy != args.versus and shared:
+                    d = [100 * (s[k] - base[k]) for k in shared]
+                    mean = sum(d) / len(d)
+                    se = (sum((x - mean) ** 2 for x in d) / max(1, len(d) - 1) / len(d)) ** 0.5
+                    print(f"  {ratio}: {policy} - {args.versus} = {mean:+.1f} +- {se:.1f} (better on "
+                          f"{sum(x > 0 for x in d)}, worse on {sum(x < 0 for x in d)})")
 
 
 if __name__ == "__main__":
