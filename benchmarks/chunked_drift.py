@@ -19,7 +19,7 @@ runs (SnapKV, chunked with the question appended to each chunk) are printed firs
 
   python benchmarks/chunked_drift.py                      # SmolLM2, 8K, depth 0.1, seed 3 (the test's prompt)
   python benchmarks/chunked_drift.py --length 3000 --evict 0.25,0.75
-  python benchmarks/chunked_drift.py --seeds 1,2,3,4,5    # only the chunked kvpress runs, one prompt per seed
+  python benchmarks/chunked_drift.py --seeds 1,2,3,4,5    # full cache, one-shot and chunked, one prompt per seed
 """
 
 from __future__ import annotations
@@ -66,17 +66,23 @@ def masked_answer(model, ids, n_prompt, keep, chunk_starts) -> torch.Tensor:
 
 
 def seed_sweep(model, tok, args):
-    print(f"| seed | chunked, question appended | chunked |\n|---|---|---|")
+    """One prompt per seed: does the full cache answer it, one-shot SnapKV at 0.75, and chunked SnapKV at 0.75 with
+    and without the question appended to each chunk."""
+    runs = {"full cache": ("none", {}), "one-shot": ("snapkv", dict(compression_ratio=0.75)),
+            "chunked, question appended": ("snapkv", dict(compression_ratio=0.75, prefill_chunk_size=args.chunk,
+                                                          question_tokens=40)),
+            "chunked": ("snapkv", dict(compression_ratio=0.75, prefill_chunk_size=args.chunk))}
+    print("| seed | " + " | ".join(runs) + " |\n|---|" + "---|" * len(runs))
     for seed in (int(x) for x in args.seeds.split(",")):
         prompt = needle_prompt(tok, args.length, depth=args.depth, seed=seed)
         found = []
-        for extra in (dict(question_tokens=40), {}):
-            with torch.no_grad(), kvpress.patch_model(model, "snapkv", compression_ratio=0.75,
-                                                      prefill_chunk_size=args.chunk, **extra):
+        for policy, params in runs.values():
+            with torch.no_grad(), kvpress.patch_model(model, policy, **params):
                 out = model.generate(prompt.input_ids, attention_mask=torch.ones_like(prompt.input_ids),
                                      max_new_tokens=8, do_sample=False)
-            found.append("found" if prompt.answer in tok.decode(out[0, prompt.n_tokens:]) else "LOST")
-        print(f"| {seed} | {found[0]} | {found[1]} |", flush=True)
+            answer = tok.decode(out[0, prompt.n_tokens:], skip_special_tokens=True).strip()
+            found.append(f"{answer!r} " + ("found" if prompt.answer in answer else "LOST"))
+        print(f"| {seed} ({prompt.answer}) | " + " | ".join(found) + " |", flush=True)
 
 
 def main(argv=None):
@@ -88,7 +94,7 @@ def main(argv=None):
     parser.add_argument("--chunk", type=int, default=1024)
     parser.add_argument("--evict", default="0.05,0.25,0.75", help="fractions of the prompt evicted at random")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--seeds", default=None, help="comma-separated: chunked SnapKV at 0.75 on one prompt per seed")
+    parser.add_argument("--seeds", default=None, help="comma-separated: full cache, one-shot and chunked SnapKV at 0.75 on one prompt per seed")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     model, tok = load(args.model)
