@@ -94,7 +94,8 @@ def main(argv=None):
     parser.add_argument("--chunk", type=int, default=1024)
     parser.add_argument("--evict", default="0.05,0.25,0.75", help="fractions of the prompt evicted at random")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--seeds", default=None, help="comma-separated: full cache, one-shot and chunked SnapKV at 0.75 on one prompt per seed")
+    parser.add_argument("--seeds", default=None,
+                        help="comma-separated: full cache, one-shot and chunked SnapKV at 0.75 on one prompt per seed")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     model, tok = load(args.model)

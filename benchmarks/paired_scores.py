@@ -40,6 +40,8 @@ def main(argv=None):
     missing = [p for p in policies if p not in known]
     if missing:
         raise SystemExit(f"--policies: {missing} not in the results; allowed values: {sorted(known)}")
+    if args.versus is not None and args.versus not in policies:
+        raise SystemExit(f"--versus: {args.versus!r} is not one of --policies; allowed values: {policies}")
 
     def cells(policy, ratio):
         own = [r for r in rows if r["policy"] == policy]

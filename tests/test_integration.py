@@ -57,9 +57,13 @@ def test_decode_over_compressed_cache_equals_dense_attention_on_kept_tokens(arch
     """Independent computation: the stock model with a plain DynamicCache holding exactly the kept K/V and the
     new token at its original absolute position must give the same logits, step after step. The decode steps
     read the compacted layers with no mask at all (every slot is readable), which is what this checks."""
-    unmasked = []
-    real = KVPressLayer._reads_every_slot
-    monkeypatch.setattr(KVPressLayer, "_reads_every_slot", lambda self, q: unmasked.append(real(self, q)) or unmasked[-1])
+    unmasked, real = [], KVPressLayer._reads_every_slot
+
+    def recorded(self, queries):
+        unmasked.append(real(self, queries))
+        return unmasked[-1]
+
+    monkeypatch.setattr(KVPressLayer, "_reads_every_slot", recorded)
     model = tiny_model(arch, attn)
     torch.manual_seed(1)
     ids = torch.randint(3, 128, (1, 50))
