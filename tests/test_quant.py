@@ -145,6 +145,7 @@ CASES = [  # (B, Hkv, GQA group, q_len, quantized slots, residual slots, bits, g
     (1, 2, 3, 3, 48, 20, 4, False, None),
     (2, 1, 2, 2, 80, 33, 2, True, None),
     (1, 2, 2, 1, 96, 10, 8, True, 40),
+    (1, 2, 2, 2, 64, 5, 8, False, None),
 ]
 
 
@@ -163,9 +164,11 @@ def test_low_bit_attention_equals_attention_over_dequantized_cache(case):
         qpos, window)
     torch.testing.assert_close(picked, expected, atol=1e-5, rtol=1e-5)
     if not gathered:
-        codes_domain = lowbit_then_residual(lambda queries: codes_domain_attention_state(
-            queries, seg, pos[..., :seg.num_slots], valid[..., :seg.num_slots]), q, rk, rv, pos, valid, qpos, window)
-        torch.testing.assert_close(codes_domain, expected, atol=1e-5, rtol=1e-5)
+        for block in (4096, 40):  # one block; blocks of whole key groups (40 -> 32 slots)
+            codes_domain = lowbit_then_residual(lambda queries: codes_domain_attention_state(
+                queries, seg, pos[..., :seg.num_slots], valid[..., :seg.num_slots], block=block), q, rk, rv, pos,
+                valid, qpos, window)
+            torch.testing.assert_close(codes_domain, expected, atol=1e-5, rtol=1e-5)
     assert triton_available(), "Triton must run here (CUDA, or TRITON_INTERPRET=1 on CPU)"
     tri = lowbit_then_residual(lambda queries: lowbit_attention_state_triton(
         queries, seg, pos[..., :seg.num_slots], valid[..., :seg.num_slots], block_t=16, target_programs=4), q, rk, rv, pos, valid, qpos,
@@ -179,10 +182,22 @@ def test_gear_attention_reference_equals_dense():
     k, v = torch.randn(1, 2, 32, 32), torch.randn(1, 2, 32, 32)
     seg = encode_gear(k, v, valid[..., :32], 2, 16, rank=2, outlier_ratio=0.25, power_iters=3)
     assert seg.k_out_slot.shape[-1] == 2 * 4 * 32 and seg.v_out_idx.shape[-1] == 2 * 4
+    expected = dense_reference(q, seg, rk, rv, pos, valid, qpos)
     torch.testing.assert_close(
         lowbit_then_residual(lambda queries: lowbit_attention_state_reference(
             queries, seg, pos[..., :32], valid[..., :32], block=8), q, rk, rv, pos, valid, qpos),
-        dense_reference(q, seg, rk, rv, pos, valid, qpos), atol=1e-5, rtol=1e-5)
+        expected, atol=1e-5, rtol=1e-5)
+    # the CPU path: GEAR's low-rank term and both kinds of outliers as corrections to the codes' contraction,
+    # one encoded chunk (one basis) and two
+    two = encode_gear(k[:, :, :16], v[:, :, :16], valid[..., :16], 2, 16, rank=2, outlier_ratio=0.25,
+                      power_iters=3).append(encode_gear(k[:, :, 16:], v[:, :, 16:], valid[..., 16:32], 2, 16, rank=2,
+                                                        outlier_ratio=0.25, power_iters=3))
+    assert two.k_basis.shape[2] == 2 and two.chunk.unique().tolist() == [0, 1]
+    for codes, dense in ((seg, expected), (two, dense_reference(q, two, rk, rv, pos, valid, qpos))):
+        torch.testing.assert_close(
+            lowbit_then_residual(lambda queries: codes_domain_attention_state(
+                queries, codes, pos[..., :32], valid[..., :32]), q, rk, rv, pos, valid, qpos),
+            dense, atol=1e-5, rtol=1e-5)
 
 
 def test_gear_outliers_follow_their_tokens_through_eviction():
