@@ -176,6 +176,46 @@ def test_low_bit_attention_equals_attention_over_dequantized_cache(case):
     torch.testing.assert_close(tri, expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("case", [c for c in CASES if not c[7]])
+def test_cpu_kernel_equals_attention_over_dequantized_cache(case):
+    """lowbit_cpu.c (built here: CI has a C compiler), with and without the full-precision tail in the same call,
+    with a mask (padding, several query rows) and, for a decode step over real slots only, without one."""
+    from kvpress.kernels import lowbit_native
+
+    assert lowbit_native.available()
+    B, HKV, GQ, RQ, TQ, TR, bits, gathered, window = case
+    for decode in (False, True):
+        q, seg, rk, rv, pos, valid, qpos, window = random_case(0, B, HKV, GQ, 1 if decode else RQ, TQ, TR, bits=bits,
+                                                               window=window)
+        if decode:
+            valid = torch.ones_like(valid)  # no padding: every slot is real, the kernel builds no mask
+        expected = dense_reference(q, seg, rk, rv, pos, valid, qpos, window)
+        queries = Queries(q, qpos, q.shape[-1] ** -0.5, sliding_window=window)
+        seg_valid = None if decode else valid[..., :TQ]
+        assert lowbit_native.supports(queries, seg)
+        tail_valid = None if decode else valid[..., TQ:]
+        together = lowbit_native.lowbit_attention_state_native(queries, seg, pos[..., :TQ], seg_valid,
+                                                               tail=(rk, rv, pos[..., TQ:], tail_valid))
+        torch.testing.assert_close(finish(together, queries), expected, atol=1e-5, rtol=1e-5)
+        alone = lowbit_then_residual(lambda queries: lowbit_native.lowbit_attention_state_native(
+            queries, seg, pos[..., :TQ], seg_valid), q, rk, rv, pos, valid, qpos, window)
+        torch.testing.assert_close(alone, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_cpu_kernel_without_a_compiler_falls_back_to_torch_with_a_warning(monkeypatch, tmp_path):
+    from kvpress.kernels import lowbit_native
+
+    monkeypatch.setattr(lowbit_native, "_library", False)  # not tried yet
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # no library built earlier
+    q, seg, rk, rv, pos, valid, qpos, window = random_case(0, 2, 2, 4, 1, 64, 7)
+    with pytest.warns(UserWarning, match="could not be built"):
+        assert not lowbit_native.available()
+    got = lowbit_then_residual(lambda queries: lowbit_attention_state(
+        queries, seg, pos[..., :64], valid[..., :64], use_triton=False), q, rk, rv, pos, valid, qpos)
+    torch.testing.assert_close(got, dense_reference(q, seg, rk, rv, pos, valid, qpos), atol=1e-5, rtol=1e-5)
+
+
 def test_gear_attention_reference_equals_dense():
     q, seg, rk, rv, pos, valid, qpos, _ = random_case(1, 1, 2, 2, 1, 32, 5)
     torch.manual_seed(2)

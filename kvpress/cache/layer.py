@@ -622,15 +622,20 @@ class KVPressLayer(CacheLayerMixin):
         # a flat layer's full-precision tail (its newest tokens) is read in one pass with the flat runs before it
         with_runs = len(self.segments) > 1 and self.segments[-2].flat and not self.segments[-2].low_bit \
             and not tail.flat and tail.width > 0
+        # rectangular codes followed by the rectangular tail (KIVI's layout): one call reads both
+        codes_then_tail = len(self.segments) > 1 and self.segments[-2].low_bit and not self.segments[-2].flat \
+            and not tail.low_bit and not tail.flat and tail.width > 0
         for segment, offset in zip(self.segments, self._offsets()):
-            if segment.width == 0 or (with_runs and segment is tail):
+            if segment.width == 0 or ((with_runs or codes_then_tail) and segment is tail):
                 continue
             if segment.low_bit and segment.flat:
                 state = flat_lowbit_attention_state(queries, segment.data, segment.positions, segment.lengths, state,
                                                     precision)
             elif segment.low_bit:
+                rect = (tail.data.keys, tail.data.values, tail.view_positions(self.tail_start(), batch, heads,
+                        self.device), tail.valid) if codes_then_tail and segment is self.segments[-2] else None
                 state = lowbit_attention_state(queries, segment.data, segment.view_positions(offset, batch, heads,
-                                               self.device), segment.valid, state, precision, use_triton)
+                                               self.device), segment.valid, state, precision, use_triton, rect)
             elif segment.flat:
                 rect = (tail.data.keys, tail.data.values, tail.view_positions(self.tail_start(), batch, heads,
                         self.device), tail.valid) if with_runs and segment is self.segments[-2] else None

@@ -3,12 +3,13 @@ is ever made. Any q_len works (decode, verification, chunked prefill). Each func
 state over the codes' slots, so the layer folds it with its full-precision segments.
 
 `lowbit_attention_state` (rectangular codes [B, Hkv, T]) dispatches: the Triton kernel on CUDA for KIVI codes;
-elsewhere `codes_domain_attention_state` for KIVI or GEAR codes in slot order (the scales are folded into the
-queries and the probabilities, the codes unpacked into contiguous planes and never rescaled, GEAR's terms added
-as corrections: the fast CPU path), and the torch reference for the rest (codes reordered by eviction, the
-draft's reduced precision). `flat_lowbit_attention_state` reads a flat store of per-head runs (codes
-[1, 1, N] of a flat segment): each block of the store is dequantized once and every (row, head) reads its
-part of the block through the sparse-gather path. Torch only (no Triton kernel for flat codes yet).
+on CPU the C kernel of lowbit_native.py for KIVI codes in slot order (with the layer's full-precision tail in
+the same call), `codes_domain_attention_state` for GEAR codes in slot order or where the C kernel could not be
+built (the same computation in torch: the scales are folded into the queries and the probabilities, the codes
+unpacked into contiguous planes and never rescaled, GEAR's terms added as corrections), and the torch reference
+for the rest (codes reordered by eviction, the draft's reduced precision). `flat_lowbit_attention_state` reads
+a flat store of per-head runs (codes [1, 1, N] of a flat segment): each block of the store is dequantized once
+and every (row, head) reads its part of the block through the sparse-gather path. Torch only (no Triton kernel for flat codes yet).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..cache.codecs import LowBitCodes
-from .online_softmax import Queries, State, block_update, empty_state, merge_states
+from .online_softmax import Queries, State, block_update, dense_attention_state, empty_state, merge_states
 from .sparse_attention import Selection, sparse_attention_state_reference
 
 
@@ -176,9 +177,18 @@ def _low_rank_at(lr: torch.Tensor, basis: torch.Tensor, chunk: torch.Tensor, slo
 
 
 def lowbit_attention_state(queries: Queries, codes: LowBitCodes, positions, valid=None, state: State | None = None,
-                           precision: int | None = None, use_triton: bool | None = None) -> State:
-    from . import triton_quant
+                           precision: int | None = None, use_triton: bool | None = None,
+                           tail: tuple | None = None) -> State:
+    """`tail`: (keys, values, positions, valid) of a full-precision rectangle read after the codes (the layer's
+    newest tokens): the CPU kernel reads it in the same call, the other paths after the codes."""
+    from . import lowbit_native, triton_quant
 
+    native = use_triton is not True and precision in (None, codes.bits) and lowbit_native.supports(queries, codes)
+    if native:
+        return lowbit_native.lowbit_attention_state_native(queries, codes, positions, valid, state, tail)
+    if tail is not None:
+        state = lowbit_attention_state(queries, codes, positions, valid, state, precision, use_triton)
+        return dense_attention_state(queries, *tail, state)
     if use_triton is None:
         use_triton = (queries.values.is_cuda and triton_quant.available() and codes.k_lr is None
                       and queries.softcap is None)

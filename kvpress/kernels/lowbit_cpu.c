@@ -1,0 +1,170 @@
+/* Attention over bit-packed KIVI codes on CPU, one call per layer: each packed row is unpacked into a small
+ * stack buffer and used at once (keys: dot products with the scaled queries; values: accumulated under the
+ * probabilities), so no full-precision copy of the codes is ever written to memory. Work items are (head, split
+ * of the slots) and each head's full-precision tail (the layer's newest tokens); each returns its online-softmax
+ * partial (max, sum, accumulator), merged in torch (online_softmax.merge_splits). Built on first use by kvpress/kernels/lowbit_native.py; the torch reference
+ * with the same inputs is `codes_domain_attention_state` in quant_attention.py.
+ *
+ * Layout (contiguous): codes uint8 [BH, T, D * bits / 8], channel j * (8 / bits) + i is code i of byte j (low
+ * bits first); fp16 key scale/min [BH, T / group, D] (per channel, per group of slots), value scale/min
+ * [BH, T, C] (per slot, per group of channels); fp32 query rows [BH, R, D]; allowed uint8 [BH, R, T], or NULL:
+ * every slot. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAX_DIM 1024
+
+/* BITS is a constant in each instance, so the per-byte loop unrolls and the loop over bytes vectorises. */
+#define DEFINE_UNPACK(BITS)                                                                                    \
+    static inline void unpack_##BITS(const uint8_t *row, int64_t dim, float *out) {                            \
+        for (int64_t j = 0; j < dim / (8 / BITS); ++j) {                                                       \
+            const uint8_t byte = row[j];                                                                       \
+            for (int i = 0; i < 8 / BITS; ++i)                                                                 \
+                out[j * (8 / BITS) + i] = (float)((byte >> (BITS * i)) & ((1 << BITS) - 1));                   \
+        }                                                                                                      \
+    }
+DEFINE_UNPACK(2)
+DEFINE_UNPACK(4)
+DEFINE_UNPACK(8)
+
+static inline void unpack(const uint8_t *row, int bits, int64_t dim, float *out) {
+    if (bits == 2) unpack_2(row, dim, out);
+    else if (bits == 4) unpack_4(row, dim, out);
+    else unpack_8(row, dim, out);
+}
+
+/* logits p [R, n] -> exp(p - max) in place; the max and the sum of each row */
+static void softmax_partial(float *p, int64_t rows, int64_t n, float *m_out, float *l_out) {
+    for (int64_t r = 0; r < rows; ++r) {
+        float *pr = p + r * n, m = -INFINITY, l = 0.0f;
+        for (int64_t i = 0; i < n; ++i) m = pr[i] > m ? pr[i] : m;
+        const float safe = isinf(m) ? 0.0f : m;
+        for (int64_t i = 0; i < n; ++i) pr[i] = expf(pr[i] - safe); /* masked: exp(-inf) = 0 */
+        for (int64_t i = 0; i < n; ++i) l += pr[i];
+        m_out[r] = m;
+        l_out[r] = l;
+    }
+}
+
+/* The full-precision rectangle after the codes (the layer's newest tokens) of head h, read in the same call:
+ * keys/values [BH, n, D], query rows [BH, R, D], allowed [BH, R, n] or NULL. */
+static void tail_split(const float *query, const float *keys, const float *values, const uint8_t *allowed,
+                       float scaling, float *m_out, float *l_out, float *acc_out, int64_t n, int64_t dim,
+                       int64_t rows, int64_t h, float *p) {
+    for (int64_t t = 0; t < n; ++t) {
+        const float *k = keys + (h * n + t) * dim;
+        for (int64_t r = 0; r < rows; ++r) {
+            const float *q = query + (h * rows + r) * dim;
+            float dot = 0.0f;
+            for (int64_t d = 0; d < dim; ++d) dot += q[d] * k[d];
+            const int ok = allowed == NULL || allowed[(h * rows + r) * n + t];
+            p[r * n + t] = ok ? dot * scaling : -INFINITY;
+        }
+    }
+    softmax_partial(p, rows, n, m_out, l_out);
+    memset(acc_out, 0, sizeof(float) * rows * dim);
+    for (int64_t t = 0; t < n; ++t) {
+        const float *v = values + (h * n + t) * dim;
+        for (int64_t r = 0; r < rows; ++r) {
+            const float weight = p[r * n + t];
+            float *o = acc_out + r * dim;
+            for (int64_t d = 0; d < dim; ++d) o[d] += weight * v[d];
+        }
+    }
+}
+
+static void one_split(const uint8_t *k_codes, const _Float16 *k_scale, const _Float16 *k_min, const uint8_t *v_codes,
+                      const _Float16 *v_scale, const _Float16 *v_min, const float *query, const uint8_t *allowed,
+                      float scaling, float *m_out, float *l_out, float *acc_out, int64_t length, int64_t dim,
+                      int64_t rows, int64_t group, int64_t n_chan, int bits, int64_t h, int64_t t0, int64_t t1,
+                      float *p) {
+    float code[MAX_DIM];
+    const int64_t row_bytes = dim * bits / 8, n_groups = length / group, width = dim / n_chan;
+    const int64_t n = t1 - t0;
+    float *w = p + rows * (n + n_chan), *b = w + rows * dim; /* one key group's [R, D] weights and [R] bias */
+    /* logits of the split's slots, [R, n]: the queries take each key group's per-channel scale and mins */
+    for (int64_t g = t0 / group; g < t1 / group; ++g) {
+        const _Float16 *sc = k_scale + (h * n_groups + g) * dim, *mn = k_min + (h * n_groups + g) * dim;
+        for (int64_t r = 0; r < rows; ++r) {
+            const float *q = query + (h * rows + r) * dim;
+            float bias = 0.0f;
+            for (int64_t d = 0; d < dim; ++d) {
+                w[r * dim + d] = q[d] * (float)sc[d];
+                bias += q[d] * (float)mn[d];
+            }
+            b[r] = bias;
+        }
+        for (int64_t t = g * group; t < (g + 1) * group; ++t) {
+            unpack(k_codes + (h * length + t) * row_bytes, bits, dim, code);
+            for (int64_t r = 0; r < rows; ++r) {
+                const float *wr = w + r * dim;
+                float dot = 0.0f;
+                for (int64_t d = 0; d < dim; ++d) dot += wr[d] * code[d];
+                const int ok = allowed == NULL || allowed[(h * rows + r) * length + t];
+                p[r * n + (t - t0)] = ok ? (dot + b[r]) * scaling : -INFINITY;
+            }
+        }
+    }
+    softmax_partial(p, rows, n, m_out, l_out);
+    /* values under the probabilities; the mins' part per channel group, spread over its channels at the end */
+    float *low = p + rows * n;  /* [R, C] */
+    memset(acc_out, 0, sizeof(float) * rows * dim);
+    memset(low, 0, sizeof(float) * rows * n_chan);
+    for (int64_t t = t0; t < t1; ++t) {
+        unpack(v_codes + (h * length + t) * row_bytes, bits, dim, code);
+        const _Float16 *sc = v_scale + (h * length + t) * n_chan, *mn = v_min + (h * length + t) * n_chan;
+        for (int64_t r = 0; r < rows; ++r) {
+            const float weight = p[r * n + (t - t0)];
+            if (weight == 0.0f) continue;
+            float *o = acc_out + r * dim;
+            for (int64_t c = 0; c < n_chan; ++c) {
+                const float a = weight * (float)sc[c];
+                low[r * n_chan + c] += weight * (float)mn[c];
+                for (int64_t d = c * width; d < (c + 1) * width; ++d) o[d] += a * code[d];
+            }
+        }
+    }
+    for (int64_t r = 0; r < rows; ++r)
+        for (int64_t d = 0; d < dim; ++d) acc_out[r * dim + d] += low[r * n_chan + d / width];
+}
+
+/* m/l [BH, S + 1, R], acc [BH, S + 1, R, D]: the partials of `splits` consecutive slot ranges of each head's
+ * codes, then of its full-precision tail (n_tail slots; with none, an empty partial). Returns 0, or -1 when a
+ * work buffer could not be allocated. */
+int lowbit_attention(const uint8_t *k_codes, const _Float16 *k_scale, const _Float16 *k_min, const uint8_t *v_codes,
+                     const _Float16 *v_scale, const _Float16 *v_min, const float *query, const uint8_t *allowed,
+                     float scaling, float *m_out, float *l_out, float *acc_out, int64_t heads, int64_t length,
+                     int64_t dim, int64_t rows, int64_t group, int64_t n_chan, int bits, int64_t splits, int threads,
+                     const float *tail_keys, const float *tail_values, const uint8_t *tail_allowed, int64_t n_tail) {
+    const int64_t items = heads * (splits + 1);
+    /* splits cut at whole key groups */
+    const int64_t per_split = ((length / group + splits - 1) / splits) * group;
+    int failed = 0;
+    /* every head's code splits first, then the (short) tails, handed out one at a time: threads stay balanced */
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) reduction(| : failed)
+    for (int64_t order = 0; order < items; ++order) {
+        const int64_t h = order < heads * splits ? order / splits : order - heads * splits;
+        const int64_t s = order < heads * splits ? order % splits : splits;
+        const int64_t item = h * (splits + 1) + s; /* where its partial goes */
+        const int64_t t0 = s * per_split < length ? s * per_split : length;
+        const int64_t t1 = t0 + per_split < length ? t0 + per_split : length;
+        const int64_t n = s < splits ? t1 - t0 : n_tail;
+        /* probabilities [R, n], the values' mins [R, C], a key group's weights [R, D] and bias [R] */
+        float *p = malloc(sizeof(float) * rows * (n + n_chan + dim + 1));
+        if (p == NULL) {
+            failed = 1;
+            continue;
+        }
+        if (s < splits)
+            one_split(k_codes, k_scale, k_min, v_codes, v_scale, v_min, query, allowed, scaling, m_out + item * rows,
+                      l_out + item * rows, acc_out + item * rows * dim, length, dim, rows, group, n_chan, bits, h,
+                      t0, t1, p);
+        else
+            tail_split(query, tail_keys, tail_values, tail_allowed, scaling, m_out + item * rows,
+                       l_out + item * rows, acc_out + item * rows * dim, n_tail, dim, rows, h, p);
+        free(p);
+    }
+    return failed ? -1 : 0;
+}

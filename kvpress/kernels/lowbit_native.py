@@ -1,0 +1,125 @@
+"""The CPU kernel of lowbit_cpu.c (attention over slot-ordered KIVI codes): compiled once per machine with the
+system C compiler into ~/.cache/kvpress/native (the file name holds the source's hash, so an edit rebuilds), loaded
+with ctypes, run on torch's OpenMP thread pool (the library links the libgomp that torch has already loaded).
+
+`available()` is False where no compiler works (a warning says why, once); `lowbit_attention_state` in
+quant_attention.py then reads through `codes_domain_attention_state`, the torch version of the same computation
+(same results, slower)."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+from ..cache.codecs import LowBitCodes
+from .online_softmax import Queries, State, merge_splits, merge_states
+
+SOURCE = Path(__file__).with_name("lowbit_cpu.c")
+MAX_HEAD_DIM = 1024  # the kernel unpacks one row into a stack buffer of this many floats
+MIN_SPLIT = 256  # slots per work item, at least: fewer make the merge cost more than the parallelism gives
+# fast reductions (sums reassociated for vectors), but infinities kept: masked slots are -inf
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros",
+         "-fassociative-math", "-shared", "-fPIC"]
+_lock = threading.Lock()
+_library: ctypes.CDLL | None | bool = False  # False: not tried yet
+
+
+def _build() -> ctypes.CDLL:
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    folder = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvpress" / "native"
+    target = folder / f"lowbit_cpu-{digest}.so"
+    if not target.exists():
+        compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+        if compiler is None:
+            raise OSError("no C compiler (cc, gcc or $CC) on PATH")
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=folder) as tmp:  # another process may build at the same time
+            built = Path(tmp) / target.name
+            command = [compiler, *FLAGS, str(SOURCE), "-o", str(built)]
+            done = subprocess.run(command, capture_output=True, text=True)
+            if done.returncode != 0:
+                raise OSError(f"{' '.join(command)} failed: {done.stderr[-2000:]}")
+            os.replace(built, target)
+    library = ctypes.CDLL(str(target))
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    library.lowbit_attention.argtypes = ([ptr] * 8 + [ctypes.c_float] + [ptr] * 3 + [i64] * 6
+                                         + [ctypes.c_int, i64, ctypes.c_int] + [ptr] * 3 + [i64])
+    library.lowbit_attention.restype = ctypes.c_int
+    return library
+
+
+def available() -> bool:
+    global _library
+    with _lock:
+        if _library is False:
+            try:
+                _library = _build()
+            except OSError as error:
+                warnings.warn(f"kvpress: the CPU low-bit kernel could not be built ({error}); low-bit attention "
+                              "reads through torch instead (same results, slower)", stacklevel=3)
+                _library = None
+        return _library is not None
+
+
+def supports(queries: Queries, codes: LowBitCodes) -> bool:
+    """Slot-ordered KIVI codes (no GEAR terms, no reordering) with fp16 scales, no softcap, on CPU, outside
+    torch.compile (a compiled graph traces the torch version instead of breaking at a foreign call)."""
+    return (not torch.compiler.is_compiling() and not queries.values.is_cuda and codes.k_scale.dtype == codes.v_scale.dtype == torch.float16
+            and codes.k_lr is None and codes.k_group is None and queries.softcap is None and codes.num_slots % codes.group_size == 0 and codes.group_size % (8 // codes.bits) == 0
+            and codes.head_dim <= MAX_HEAD_DIM and available())
+
+
+def lowbit_attention_state_native(queries: Queries, codes: LowBitCodes, positions, valid=None,
+                                  state: State | None = None, tail: tuple | None = None) -> State:
+    """`codes_domain_attention_state`'s result (see there for the algebra), computed by lowbit_cpu.c; with
+    `tail` = (keys, values, positions, valid) of the full-precision rectangle after the codes, that too, in the
+    same call."""
+    hkv = codes.k_codes.shape[1]
+    q = queries.grouped(hkv)
+    batch, _, group, rows, dim = q.shape
+    length, g = codes.num_slots, codes.group_size
+    n_rows, heads = group * rows, batch * hkv
+    qr = q.reshape(batch, hkv, n_rows, dim).contiguous()
+    scales = [t.contiguous() for t in (codes.k_scale, codes.k_min, codes.v_scale, codes.v_min)]  # fp16
+    k_codes, v_codes = codes.k_codes.contiguous(), codes.v_codes.contiguous()
+    allowed = _allowed(queries, positions, valid, group)
+    tail_keys = tail_values = tail_allowed = None
+    if tail is not None:
+        tail_keys, tail_values = tail[0].float().contiguous(), tail[1].float().contiguous()
+        tail_allowed = _allowed(queries, tail[2], tail[3], group)
+    n_tail = 0 if tail is None else tail_keys.shape[2]
+    threads = torch.get_num_threads()
+    splits = max(1, min(-(-2 * threads // heads), length // MIN_SPLIT))
+    m = torch.empty(heads, splits + 1, n_rows)
+    l, acc = torch.empty_like(m), torch.empty(heads, splits + 1, n_rows, dim)
+    failed = _library.lowbit_attention(
+        k_codes.data_ptr(), scales[0].data_ptr(), scales[1].data_ptr(), v_codes.data_ptr(), scales[2].data_ptr(),
+        scales[3].data_ptr(), qr.data_ptr(), _pointer(allowed), float(queries.scaling), m.data_ptr(), l.data_ptr(),
+        acc.data_ptr(), heads, length, dim, n_rows, g, codes.v_scale.shape[-1], codes.bits, splits, threads,
+        _pointer(tail_keys), _pointer(tail_values), _pointer(tail_allowed), n_tail)
+    if failed:
+        raise MemoryError("lowbit_cpu.c: a work buffer could not be allocated")
+    part = merge_splits(m, l, acc, (batch, hkv, group, rows), dim)
+    return part if state is None else merge_states(state, part)
+
+
+def _allowed(queries: Queries, positions, valid, group: int) -> torch.Tensor | None:
+    """uint8 [B, H, g * r, T]: may each query row read each slot; None for a decode step over real slots only
+    (its one query is the newest token: it may read every stored one)."""
+    if valid is None and queries.sliding_window is None and queries.values.shape[2] == 1:
+        return None
+    allowed = queries.allowed(positions, valid)[:, :, None].expand(-1, -1, group, -1, -1)
+    return allowed.flatten(2, 3).to(torch.uint8).contiguous()
+
+
+def _pointer(t: torch.Tensor | None):
+    return None if t is None else t.data_ptr()
