@@ -233,9 +233,17 @@ def test_gear_attention_reference_equals_dense():
                       power_iters=3).append(encode_gear(k[:, :, 16:], v[:, :, 16:], valid[..., 16:32], 2, 16, rank=2,
                                                         outlier_ratio=0.25, power_iters=3))
     assert two.k_basis.shape[2] == 2 and two.chunk.unique().tolist() == [0, 1]
+    from kvpress.kernels import lowbit_native
+
     for codes, dense in ((seg, expected), (two, dense_reference(q, two, rk, rv, pos, valid, qpos))):
         torch.testing.assert_close(
             lowbit_then_residual(lambda queries: codes_domain_attention_state(
+                queries, codes, pos[..., :32], valid[..., :32]), q, rk, rv, pos, valid, qpos),
+            dense, atol=1e-5, rtol=1e-5)
+        # and the C kernel (GEAR's terms in the same pass), which the dispatcher picks on CPU
+        assert lowbit_native.supports(Queries(q, qpos, 1.0), codes)
+        torch.testing.assert_close(
+            lowbit_then_residual(lambda queries: lowbit_native.lowbit_attention_state_native(
                 queries, codes, pos[..., :32], valid[..., :32]), q, rk, rv, pos, valid, qpos),
             dense, atol=1e-5, rtol=1e-5)
 

@@ -1,8 +1,9 @@
-/* Attention over bit-packed KIVI codes on CPU, one call per layer: each packed row is unpacked into a small
+/* Attention over bit-packed KIVI / GEAR codes on CPU, one call per layer: each packed row is unpacked into a small
  * stack buffer and used at once (keys: dot products with the scaled queries; values: accumulated under the
  * probabilities), so no full-precision copy of the codes is ever written to memory. Work items are (head, split
  * of the slots) and each head's full-precision tail (the layer's newest tokens); each returns its online-softmax
- * partial (max, sum, accumulator), merged in torch (online_softmax.merge_splits). Built on first use by kvpress/kernels/lowbit_native.py; the torch reference
+ * partial (max, sum, accumulator), merged in torch (online_softmax.merge_splits). GEAR's low-rank term and
+ * outliers enter in the same pass. Built on first use by kvpress/kernels/lowbit_native.py; the torch reference
  * with the same inputs is `codes_domain_attention_state` in quant_attention.py.
  *
  * Layout (contiguous): codes uint8 [BH, T, D * bits / 8], channel j * (8 / bits) + i is code i of byte j (low
@@ -15,6 +16,33 @@
 #include <string.h>
 
 #define MAX_DIM 1024
+
+/* GEAR's terms on top of the codes (NULL for KIVI): a rank-r correction per slot (its row factor against its
+ * encoded chunk's basis) and exact outliers (keys: sparse (slot, channel, value) entries, slot -1 once evicted;
+ * values: n_v channels per slot), each replacing the approximation at its entry. */
+typedef struct {
+    const _Float16 *k_lr, *v_lr;           /* [BH, T, rank] */
+    const _Float16 *k_basis, *v_basis;     /* [BH, Nc, D, rank] */
+    const float *q_basis;                  /* [BH, Nc, R, rank]: the query rows times each chunk's key basis */
+    const int32_t *chunk;                  /* [BH, T] */
+    const int32_t *k_out_slot, *k_out_chan; /* [BH, n_k] */
+    const _Float16 *k_out_val;             /* [BH, n_k] */
+    const int32_t *v_out_idx;              /* [BH, T, n_v] */
+    const _Float16 *v_out_val;             /* [BH, T, n_v] */
+    int64_t rank, n_chunks, n_k, n_v;
+} gear_terms;
+
+static inline float low_rank(const _Float16 *lr, const _Float16 *basis, int64_t rank) {
+    float sum = 0.0f;
+    for (int64_t k = 0; k < rank; ++k) sum += (float)lr[k] * (float)basis[k];
+    return sum;
+}
+
+static inline float low_rank_f(const float *weights, const _Float16 *basis, int64_t rank) {
+    float sum = 0.0f;
+    for (int64_t k = 0; k < rank; ++k) sum += weights[k] * (float)basis[k];
+    return sum;
+}
 
 /* BITS is a constant in each instance, so the per-byte loop unrolls and the loop over bytes vectorises. */
 #define DEFINE_UNPACK(BITS)                                                                                    \
@@ -79,8 +107,9 @@ static void one_split(const uint8_t *k_codes, const _Float16 *k_scale, const _Fl
                       const _Float16 *v_scale, const _Float16 *v_min, const float *query, const uint8_t *allowed,
                       float scaling, float *m_out, float *l_out, float *acc_out, int64_t length, int64_t dim,
                       int64_t rows, int64_t group, int64_t n_chan, int bits, int64_t h, int64_t t0, int64_t t1,
-                      float *p) {
+                      const gear_terms *gear, float *p) {
     float code[MAX_DIM];
+    const int64_t rank = gear ? gear->rank : 0, n_chunks = gear ? gear->n_chunks : 0;
     const int64_t row_bytes = dim * bits / 8, n_groups = length / group, width = dim / n_chan;
     const int64_t n = t1 - t0;
     float *w = p + rows * (n + n_chan), *b = w + rows * dim; /* one key group's [R, D] weights and [R] bias */
@@ -102,16 +131,40 @@ static void one_split(const uint8_t *k_codes, const _Float16 *k_scale, const _Fl
                 const float *wr = w + r * dim;
                 float dot = 0.0f;
                 for (int64_t d = 0; d < dim; ++d) dot += wr[d] * code[d];
+                if (gear) {
+                    const int64_t c = gear->chunk[h * length + t];
+                    const float *qb = gear->q_basis + ((h * n_chunks + c) * rows + r) * rank;
+                    const _Float16 *lr = gear->k_lr + (h * length + t) * rank;
+                    for (int64_t k = 0; k < rank; ++k) dot += (float)lr[k] * qb[k];
+                }
                 const int ok = allowed == NULL || allowed[(h * rows + r) * length + t];
                 p[r * n + (t - t0)] = ok ? (dot + b[r]) * scaling : -INFINITY;
             }
         }
     }
+    if (gear) /* each key outlier in this split: its exact value instead of the approximation */
+        for (int64_t e = 0; e < gear->n_k; ++e) {
+            const int64_t slot = gear->k_out_slot[h * gear->n_k + e], chan = gear->k_out_chan[h * gear->n_k + e];
+            if (slot < t0 || slot >= t1) continue;
+            const int per_byte = 8 / bits;
+            const int byte = k_codes[(h * length + slot) * row_bytes + chan / per_byte];
+            const float stored = (float)((byte >> (bits * (chan % per_byte))) & ((1 << bits) - 1));
+            const int64_t g = slot / group, c = gear->chunk[h * length + slot];
+            const float approx = stored * (float)k_scale[(h * n_groups + g) * dim + chan]
+                + (float)k_min[(h * n_groups + g) * dim + chan]
+                + low_rank(gear->k_lr + (h * length + slot) * rank,
+                           gear->k_basis + ((h * n_chunks + c) * dim + chan) * rank, rank);
+            const float delta = (float)gear->k_out_val[h * gear->n_k + e] - approx;
+            for (int64_t r = 0; r < rows; ++r)
+                p[r * n + (slot - t0)] += query[(h * rows + r) * dim + chan] * delta * scaling; /* -inf stays */
+        }
     softmax_partial(p, rows, n, m_out, l_out);
     /* values under the probabilities; the mins' part per channel group, spread over its channels at the end */
     float *low = p + rows * n;  /* [R, C] */
+    float *by_chunk = b + rows;  /* GEAR: [R, Nc, rank], the probabilities times the slots' row factors */
     memset(acc_out, 0, sizeof(float) * rows * dim);
     memset(low, 0, sizeof(float) * rows * n_chan);
+    memset(by_chunk, 0, sizeof(float) * rows * n_chunks * rank);
     for (int64_t t = t0; t < t1; ++t) {
         unpack(v_codes + (h * length + t) * row_bytes, bits, dim, code);
         const _Float16 *sc = v_scale + (h * length + t) * n_chan, *mn = v_min + (h * length + t) * n_chan;
@@ -124,10 +177,27 @@ static void one_split(const uint8_t *k_codes, const _Float16 *k_scale, const _Fl
                 low[r * n_chan + c] += weight * (float)mn[c];
                 for (int64_t d = c * width; d < (c + 1) * width; ++d) o[d] += a * code[d];
             }
+            if (gear) {
+                const int64_t c = gear->chunk[h * length + t];
+                const _Float16 *lr = gear->v_lr + (h * length + t) * rank;
+                for (int64_t k = 0; k < rank; ++k) by_chunk[(r * n_chunks + c) * rank + k] += weight * (float)lr[k];
+                for (int64_t e = 0; e < gear->n_v; ++e) { /* value outliers: exact instead of approximated */
+                    const int64_t at = (h * length + t) * gear->n_v + e, d = gear->v_out_idx[at];
+                    const float approx = code[d] * (float)sc[d / width] + (float)mn[d / width]
+                        + low_rank(lr, gear->v_basis + ((h * n_chunks + c) * dim + d) * rank, rank);
+                    o[d] += weight * ((float)gear->v_out_val[at] - approx);
+                }
+            }
         }
     }
     for (int64_t r = 0; r < rows; ++r)
-        for (int64_t d = 0; d < dim; ++d) acc_out[r * dim + d] += low[r * n_chan + d / width];
+        for (int64_t d = 0; d < dim; ++d) {
+            float sum = low[r * n_chan + d / width];
+            for (int64_t c = 0; c < n_chunks; ++c)
+                sum += low_rank_f(by_chunk + (r * n_chunks + c) * rank,
+                                  gear->v_basis + ((h * n_chunks + c) * dim + d) * rank, rank);
+            acc_out[r * dim + d] += sum;
+        }
 }
 
 /* m/l [BH, S + 1, R], acc [BH, S + 1, R, D]: the partials of `splits` consecutive slot ranges of each head's
@@ -137,8 +207,10 @@ int lowbit_attention(const uint8_t *k_codes, const _Float16 *k_scale, const _Flo
                      const _Float16 *v_scale, const _Float16 *v_min, const float *query, const uint8_t *allowed,
                      float scaling, float *m_out, float *l_out, float *acc_out, int64_t heads, int64_t length,
                      int64_t dim, int64_t rows, int64_t group, int64_t n_chan, int bits, int64_t splits, int threads,
-                     const float *tail_keys, const float *tail_values, const uint8_t *tail_allowed, int64_t n_tail) {
+                     const float *tail_keys, const float *tail_values, const uint8_t *tail_allowed, int64_t n_tail,
+                     const gear_terms *gear) {
     const int64_t items = heads * (splits + 1);
+    const int64_t extra = gear ? gear->n_chunks * gear->rank : 0;
     /* splits cut at whole key groups */
     const int64_t per_split = ((length / group + splits - 1) / splits) * group;
     int failed = 0;
@@ -151,8 +223,9 @@ int lowbit_attention(const uint8_t *k_codes, const _Float16 *k_scale, const _Flo
         const int64_t t0 = s * per_split < length ? s * per_split : length;
         const int64_t t1 = t0 + per_split < length ? t0 + per_split : length;
         const int64_t n = s < splits ? t1 - t0 : n_tail;
-        /* probabilities [R, n], the values' mins [R, C], a key group's weights [R, D] and bias [R] */
-        float *p = malloc(sizeof(float) * rows * (n + n_chan + dim + 1));
+        /* probabilities [R, n], the values' mins [R, C], a key group's weights [R, D] and bias [R], GEAR's
+         * per-chunk sums [R, Nc, rank] */
+        float *p = malloc(sizeof(float) * rows * (n + n_chan + dim + 1 + extra));
         if (p == NULL) {
             failed = 1;
             continue;
@@ -160,7 +233,7 @@ int lowbit_attention(const uint8_t *k_codes, const _Float16 *k_scale, const _Flo
         if (s < splits)
             one_split(k_codes, k_scale, k_min, v_codes, v_scale, v_min, query, allowed, scaling, m_out + item * rows,
                       l_out + item * rows, acc_out + item * rows * dim, length, dim, rows, group, n_chan, bits, h,
-                      t0, t1, p);
+                      t0, t1, gear, p);
         else
             tail_split(query, tail_keys, tail_values, tail_allowed, scaling, m_out + item * rows,
                        l_out + item * rows, acc_out + item * rows * dim, n_tail, dim, rows, h, p);

@@ -1,6 +1,7 @@
-"""The CPU kernel of lowbit_cpu.c (attention over slot-ordered KIVI codes): compiled once per machine with the
-system C compiler into ~/.cache/kvpress/native (the file name holds the source's hash, so an edit rebuilds), loaded
-with ctypes, run on torch's OpenMP thread pool (the library links the libgomp that torch has already loaded).
+"""The CPU kernel of lowbit_cpu.c (attention over slot-ordered KIVI or GEAR codes): compiled once per machine
+with the system C compiler into ~/.cache/kvpress/native (the file name holds the source's hash, so an edit
+rebuilds), loaded with ctypes, run on torch's OpenMP thread pool (the library links the libgomp that torch has
+already loaded).
 
 `available()` is False where no compiler works (a warning says why, once); `lowbit_attention_state` in
 quant_attention.py then reads through `codes_domain_attention_state`, the torch version of the same computation
@@ -30,6 +31,15 @@ MIN_SPLIT = 256  # slots per work item, at least: fewer make the merge cost more
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros",
          "-fassociative-math", "-shared", "-fPIC"]
 _lock = threading.Lock()
+
+
+class _GearTerms(ctypes.Structure):
+    """lowbit_cpu.c's gear_terms."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in ("k_lr", "v_lr", "k_basis", "v_basis", "q_basis", "chunk",
+                                                     "k_out_slot", "k_out_chan", "k_out_val", "v_out_idx",
+                                                     "v_out_val")] + \
+        [(name, ctypes.c_int64) for name in ("rank", "n_chunks", "n_k", "n_v")]
 _library: ctypes.CDLL | None | bool = False  # False: not tried yet
 
 
@@ -52,7 +62,7 @@ def _build() -> ctypes.CDLL:
     library = ctypes.CDLL(str(target))
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     library.lowbit_attention.argtypes = ([ptr] * 8 + [ctypes.c_float] + [ptr] * 3 + [i64] * 6
-                                         + [ctypes.c_int, i64, ctypes.c_int] + [ptr] * 3 + [i64])
+                                         + [ctypes.c_int, i64, ctypes.c_int] + [ptr] * 3 + [i64, ptr])
     library.lowbit_attention.restype = ctypes.c_int
     return library
 
@@ -71,10 +81,13 @@ def available() -> bool:
 
 
 def supports(queries: Queries, codes: LowBitCodes) -> bool:
-    """Slot-ordered KIVI codes (no GEAR terms, no reordering) with fp16 scales, no softcap, on CPU, outside
+    """Slot-ordered KIVI or GEAR codes (no reordering) with fp16 scales, no softcap, on CPU, outside
     torch.compile (a compiled graph traces the torch version instead of breaking at a foreign call)."""
-    return (not torch.compiler.is_compiling() and not queries.values.is_cuda and codes.k_scale.dtype == codes.v_scale.dtype == torch.float16
-            and codes.k_lr is None and codes.k_group is None and queries.softcap is None and codes.num_slots % codes.group_size == 0 and codes.group_size % (8 // codes.bits) == 0
+    return (not torch.compiler.is_compiling() and not queries.values.is_cuda
+            and codes.k_scale.dtype == codes.v_scale.dtype == torch.float16
+            and (codes.k_lr is None or codes.k_lr.dtype == codes.k_basis.dtype == torch.float16)
+            and codes.k_group is None and queries.softcap is None and codes.num_slots % codes.group_size == 0
+            and codes.group_size % (8 // codes.bits) == 0
             and codes.head_dim <= MAX_HEAD_DIM and available())
 
 
@@ -97,6 +110,7 @@ def lowbit_attention_state_native(queries: Queries, codes: LowBitCodes, position
         tail_keys, tail_values = tail[0].float().contiguous(), tail[1].float().contiguous()
         tail_allowed = _allowed(queries, tail[2], tail[3], group)
     n_tail = 0 if tail is None else tail_keys.shape[2]
+    gear, keep = _gear_terms(codes, qr)
     threads = torch.get_num_threads()
     splits = max(1, min(-(-2 * threads // heads), length // MIN_SPLIT))
     m = torch.empty(heads, splits + 1, n_rows)
@@ -105,11 +119,28 @@ def lowbit_attention_state_native(queries: Queries, codes: LowBitCodes, position
         k_codes.data_ptr(), scales[0].data_ptr(), scales[1].data_ptr(), v_codes.data_ptr(), scales[2].data_ptr(),
         scales[3].data_ptr(), qr.data_ptr(), _pointer(allowed), float(queries.scaling), m.data_ptr(), l.data_ptr(),
         acc.data_ptr(), heads, length, dim, n_rows, g, codes.v_scale.shape[-1], codes.bits, splits, threads,
-        _pointer(tail_keys), _pointer(tail_values), _pointer(tail_allowed), n_tail)
+        _pointer(tail_keys), _pointer(tail_values), _pointer(tail_allowed), n_tail,
+        None if gear is None else ctypes.byref(gear))
+    del keep  # the tensors behind gear's pointers lived through the call
     if failed:
         raise MemoryError("lowbit_cpu.c: a work buffer could not be allocated")
     part = merge_splits(m, l, acc, (batch, hkv, group, rows), dim)
     return part if state is None else merge_states(state, part)
+
+
+def _gear_terms(codes: LowBitCodes, qr: torch.Tensor):
+    """(gear_terms, the tensors its pointers point into) for GEAR codes; (None, ()) for KIVI's."""
+    if codes.k_lr is None:
+        return None, ()
+    q_basis = (qr[:, :, None] @ codes.k_basis.float()).contiguous()  # [B, H, Nc, R, r]
+    tensors = dict(k_lr=codes.k_lr, v_lr=codes.v_lr, k_basis=codes.k_basis, v_basis=codes.v_basis, q_basis=q_basis,
+                   chunk=codes.chunk.to(torch.int32), k_out_slot=codes.k_out_slot.to(torch.int32),
+                   k_out_chan=codes.k_out_chan.to(torch.int32), k_out_val=codes.k_out_val,
+                   v_out_idx=codes.v_out_idx.to(torch.int32), v_out_val=codes.v_out_val)
+    tensors = {name: t.contiguous() for name, t in tensors.items()}
+    gear = _GearTerms(**{name: t.data_ptr() for name, t in tensors.items()}, rank=codes.k_basis.shape[-1],
+                      n_chunks=codes.k_basis.shape[2], n_k=codes.k_out_slot.shape[-1], n_v=codes.v_out_idx.shape[-1])
+    return gear, tensors
 
 
 def _allowed(queries: Queries, positions, valid, group: int) -> torch.Tensor | None:

@@ -3,13 +3,14 @@ is ever made. Any q_len works (decode, verification, chunked prefill). Each func
 state over the codes' slots, so the layer folds it with its full-precision segments.
 
 `lowbit_attention_state` (rectangular codes [B, Hkv, T]) dispatches: the Triton kernel on CUDA for KIVI codes;
-on CPU the C kernel of lowbit_native.py for KIVI codes in slot order (with the layer's full-precision tail in
-the same call), `codes_domain_attention_state` for GEAR codes in slot order or where the C kernel could not be
+on CPU the C kernel of lowbit_native.py for KIVI or GEAR codes in slot order (with the layer's full-precision
+tail in the same call), `codes_domain_attention_state` under torch.compile or where the C kernel could not be
 built (the same computation in torch: the scales are folded into the queries and the probabilities, the codes
 unpacked into contiguous planes and never rescaled, GEAR's terms added as corrections), and the torch reference
 for the rest (codes reordered by eviction, the draft's reduced precision). `flat_lowbit_attention_state` reads
 a flat store of per-head runs (codes [1, 1, N] of a flat segment): each block of the store is dequantized once
-and every (row, head) reads its part of the block through the sparse-gather path. Torch only (no Triton kernel for flat codes yet).
+and every (row, head) reads its part of the block through the sparse-gather path. Torch only (no Triton or C
+kernel for flat codes yet).
 """
 
 from __future__ import annotations
