@@ -664,16 +664,19 @@ class KVPressLayer(CacheLayerMixin):
         that scores by them (H2O, TOVA) reads, without a second pass over the keys."""
         tail = self.tail
         q = queries.grouped(self.num_kv_heads)
-        logits = torch.einsum("bhgrd,bhtd->bhgrt", q * queries.scaling, keys.float())
+        batch, heads, group, rows, dim = q.shape
+        # each KV head's GQA group of query rows as one matrix (einsum computes the same, with more overhead)
+        logits = (q.reshape(batch, heads, group * rows, dim) * queries.scaling) @ keys.float().transpose(-1, -2)
+        logits = logits.view(batch, heads, group, rows, -1)
         if queries.softcap is not None:
             logits = torch.tanh(logits / queries.softcap) * queries.softcap
         if not self._reads_every_slot(queries):
             allowed = queries.allowed(self.key_positions(), tail.valid)
             logits = logits.masked_fill_(~allowed[:, :, None], float("-inf"))
         probs = logits.softmax(-1)
-        out = torch.einsum("bhgrt,bhtd->bhgrd", probs, tail.data.values.float())
-        batch, hq, rows, dim = queries.values.shape
-        out = out.reshape(batch, hq, rows, -1).to(queries.values.dtype).transpose(1, 2).contiguous()
+        out = probs.view(batch, heads, group * rows, -1) @ tail.data.values.float()
+        hq = heads * group
+        out = out.view(batch, hq, rows, dim).to(queries.values.dtype).transpose(1, 2).contiguous()
         return out, probs.reshape(batch, hq, rows, -1)
 
     def _attend(self, read: Read, base) -> torch.Tensor:
