@@ -6,6 +6,7 @@ from transformers import DynamicCache
 
 import kvpress
 from kvpress import KVPressCache, KVPressLayer
+from kvpress.kernels.online_softmax import Queries
 from kvpress.policies import H2O, TOVA, SnapKV, StreamingLLM
 
 from conftest import TINY, greedy, tiny_model
@@ -57,13 +58,13 @@ def test_decode_over_compressed_cache_equals_dense_attention_on_kept_tokens(arch
     """Independent computation: the stock model with a plain DynamicCache holding exactly the kept K/V and the
     new token at its original absolute position must give the same logits, step after step. The decode steps
     read the compacted layers with no mask at all (every slot is readable), which is what this checks."""
-    unmasked, real = [], KVPressLayer._reads_every_slot
+    unmasked, real = [], Queries.reads_every_slot
 
-    def recorded(self, queries):
-        unmasked.append(real(self, queries))
+    def recorded(self, key_valid):
+        unmasked.append(real(self, key_valid))
         return unmasked[-1]
 
-    monkeypatch.setattr(KVPressLayer, "_reads_every_slot", recorded)
+    monkeypatch.setattr(Queries, "reads_every_slot", recorded)
     model = tiny_model(arch, attn)
     torch.manual_seed(1)
     ids = torch.randint(3, 128, (1, 50))
@@ -105,7 +106,7 @@ def test_unmasked_decode_reads_equal_masked_ones(policy, monkeypatch):
                                                                           for layer in cache.layers]
 
     unmasked = run()
-    monkeypatch.setattr(KVPressLayer, "_reads_every_slot", lambda self, queries: False)
+    monkeypatch.setattr(Queries, "reads_every_slot", lambda self, key_valid: False)
     masked = run()
     assert torch.equal(unmasked[0], masked[0])
     assert all(torch.equal(a, b) for a, b in zip(unmasked[1], masked[1]))

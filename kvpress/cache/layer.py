@@ -670,7 +670,7 @@ class KVPressLayer(CacheLayerMixin):
         logits = logits.view(batch, heads, group, rows, -1)
         if queries.softcap is not None:
             logits = torch.tanh(logits / queries.softcap) * queries.softcap
-        if not self._reads_every_slot(queries):
+        if not queries.reads_every_slot(tail.valid):
             allowed = queries.allowed(self.key_positions(), tail.valid)
             logits = logits.masked_fill_(~allowed[:, :, None], float("-inf"))
         probs = logits.softmax(-1)
@@ -697,7 +697,7 @@ class KVPressLayer(CacheLayerMixin):
         keys = self.tail.data.keys if read.keys is None else read.keys
         if not self.compacted:
             return base(queries.values, keys, self.tail.data.values, None)
-        if self._reads_every_slot(queries):
+        if queries.reads_every_slot(self.tail.valid):
             return base(queries.values, keys, self.tail.data.values, UNMASKED)
         # Slot j no longer sits at position j: transformers' mask does not describe this layer; build ours. Long
         # queries (a chunked prefill's next chunk, a long extension) run in row blocks so the mask stays small.
@@ -708,11 +708,6 @@ class KVPressLayer(CacheLayerMixin):
             allowed = rows.allowed(positions, valid).repeat_interleave(rows.values.shape[1] // self.num_kv_heads, 1)
             outs.append(base(rows.values, keys, self.tail.data.values, allowed))
         return outs[0] if len(outs) == 1 else torch.cat(outs, 1)
-
-    def _reads_every_slot(self, queries: Queries) -> bool:
-        """Whether a rectangular layer's mask for `queries` would be all True: one query row (a decode step, whose
-        token was just appended, so every stored position is <= its own), no invalid slot, no sliding window."""
-        return queries.values.shape[2] == 1 and self.tail.valid is None and queries.sliding_window is None
 
     def key_logits(self, query: torch.Tensor, scaling: float, softcap: float | None = None, upto: int | None = None,
                    block: int = 4096, fp32_keys: dict | None = None) -> torch.Tensor:

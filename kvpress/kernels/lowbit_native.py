@@ -144,9 +144,8 @@ def _gear_terms(codes: LowBitCodes, qr: torch.Tensor):
 
 
 def _allowed(queries: Queries, positions, valid, group: int) -> torch.Tensor | None:
-    """uint8 [B, H, g * r, T]: may each query row read each slot; None for a decode step over real slots only
-    (its one query is the newest token: it may read every stored one)."""
-    if valid is None and queries.sliding_window is None and queries.values.shape[2] == 1:
+    """uint8 [B, H, g * r, T]: may each query row read each slot; None where every row may read every slot."""
+    if queries.reads_every_slot(valid):
         return None
     allowed = queries.allowed(positions, valid)[:, :, None].expand(-1, -1, group, -1, -1)
     return allowed.flatten(2, 3).to(torch.uint8).contiguous()

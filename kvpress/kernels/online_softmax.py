@@ -32,6 +32,12 @@ class Queries:
         """[B, Hkv, r, T] may each row read each slot (causal by original position, real slots, window)."""
         return allowed_mask(self.positions, key_positions, key_valid, self.sliding_window)
 
+    def reads_every_slot(self, key_valid: torch.Tensor | None) -> bool:
+        """Whether `allowed` would be all True over slots whose validity is `key_valid` (None: all real): one query
+        row (a decode step, whose token was just appended, so every stored position is <= its own), no invalid
+        slot, no sliding window."""
+        return self.values.shape[2] == 1 and key_valid is None and self.sliding_window is None
+
     def rows(self, start: int, end: int) -> "Queries":
         return Queries(self.values[:, :, start:end], self.positions[start:end], self.scaling, self.softcap,
                        self.sliding_window)
