@@ -619,29 +619,28 @@ class KVPressLayer(CacheLayerMixin):
         kind, folded into one online softmax."""
         batch, heads = self._shape()
         tail = self.tail
-        # a flat layer's full-precision tail (its newest tokens) is read in one pass with the flat runs before it
-        with_runs = len(self.segments) > 1 and self.segments[-2].flat and not self.segments[-2].low_bit \
-            and not tail.flat and tail.width > 0
-        # rectangular codes followed by the rectangular tail (KIVI's layout): one call reads both
-        codes_then_tail = len(self.segments) > 1 and self.segments[-2].low_bit and not self.segments[-2].flat \
-            and not tail.low_bit and not tail.flat and tail.width > 0
+        # a rectangular full-precision tail (the newest tokens) is read in the same call as the segment before it
+        # when that is flat full-precision runs or rectangular codes (KIVI's layout)
+        before = self.segments[-2] if len(self.segments) > 1 else None
+        joins_tail = before is not None and ((before.flat and not before.low_bit)
+                                             or (before.low_bit and not before.flat))
+        with_tail = joins_tail and not tail.low_bit and not tail.flat and tail.width > 0
+        rect = (tail.data.keys, tail.data.values, tail.view_positions(self.tail_start(), batch, heads, self.device),
+                tail.valid) if with_tail else None
         for segment, offset in zip(self.segments, self._offsets()):
-            if segment.width == 0 or ((with_runs or codes_then_tail) and segment is tail):
+            if segment.width == 0 or (with_tail and segment is tail):
                 continue
+            joined = rect if segment is before else None
             if segment.low_bit and segment.flat:
                 state = flat_lowbit_attention_state(queries, segment.data, segment.positions, segment.lengths, state,
                                                     precision)
             elif segment.low_bit:
-                rect = (tail.data.keys, tail.data.values, tail.view_positions(self.tail_start(), batch, heads,
-                        self.device), tail.valid) if codes_then_tail and segment is self.segments[-2] else None
                 state = lowbit_attention_state(queries, segment.data, segment.view_positions(offset, batch, heads,
-                                               self.device), segment.valid, state, precision, use_triton, rect)
+                                               self.device), segment.valid, state, precision, use_triton, joined)
             elif segment.flat:
-                rect = (tail.data.keys, tail.data.values, tail.view_positions(self.tail_start(), batch, heads,
-                        self.device), tail.valid) if with_runs and segment is self.segments[-2] else None
                 state = flat_attention_state(queries, segment.data.keys[0, 0], segment.data.values[0, 0],
                                              segment.positions[0, 0], segment.starts(), segment.lengths, state,
-                                             use_triton, rect)
+                                             use_triton, joined)
             else:
                 state = dense_attention_state(queries, segment.data.keys, segment.data.values,
                                               segment.view_positions(offset, batch, heads, self.device),

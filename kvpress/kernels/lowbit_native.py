@@ -31,6 +31,7 @@ MIN_SPLIT = 256  # slots per work item, at least: fewer make the merge cost more
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros",
          "-fassociative-math", "-shared", "-fPIC"]
 _lock = threading.Lock()
+_library: ctypes.CDLL | None | bool = False  # False: not tried yet
 
 
 class _GearTerms(ctypes.Structure):
@@ -40,7 +41,6 @@ class _GearTerms(ctypes.Structure):
                                                      "k_out_slot", "k_out_chan", "k_out_val", "v_out_idx",
                                                      "v_out_val")] + \
         [(name, ctypes.c_int64) for name in ("rank", "n_chunks", "n_k", "n_v")]
-_library: ctypes.CDLL | None | bool = False  # False: not tried yet
 
 
 def _build() -> ctypes.CDLL:
