@@ -163,7 +163,8 @@ def _loop(model, input_ids, prompt_mask, view, gamma, max_new_tokens, do_sample,
     # rejected draft can be rolled back there too; kvpress layers always can
     cache.activate_past_recording()
     eos = torch.tensor([] if eos_token_id is None else
-                       (eos_token_id if isinstance(eos_token_id, (list, tuple)) else [eos_token_id]))
+                       (eos_token_id if isinstance(eos_token_id, (list, tuple)) else [eos_token_id]),
+                       dtype=torch.long, device=input_ids.device)  # isin needs both on one device
     pad = pad_token_id if pad_token_id is not None else (int(eos[0]) if len(eos) else 0)
 
     def forward(tokens):
