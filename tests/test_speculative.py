@@ -173,7 +173,8 @@ def test_speculative_sampling_matches_plain_sampling_in_distribution():
 
 
 # ---------------------------------------------------------------------------- kernels and selection
-@pytest.mark.parametrize("B,HKV,G,R,T,K", [(1, 1, 1, 1, 40, 12), (2, 2, 4, 1, 90, 33), (1, 2, 3, 3, 64, 40)])
+@pytest.mark.parametrize("B,HKV,G,R,T,K", [(1, 1, 1, 1, 40, 12), (2, 2, 4, 1, 90, 33), (1, 2, 3, 3, 64, 40),
+                                           (1, 2, 4, 20, 64, 40)])  # 20 rows x 4: blocks of rows_per_call(4)
 def test_sparse_gather_attention_equals_dense_restricted(B, HKV, G, R, T, K):
     torch.manual_seed(T)
     D = 32

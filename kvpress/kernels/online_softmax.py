@@ -87,6 +87,14 @@ def merge_splits(m_part, l_part, acc_part, shape, dim) -> State:
     return m[:, :rows].reshape(shape), l[:, :rows].reshape(shape), acc[:, :rows].reshape(*shape, dim)
 
 
+def by_row_blocks(queries: Queries, rows_per_call: int, state_of) -> State:
+    """state_of(queries) over blocks of at most `rows_per_call` query rows, the blocks' states joined along the
+    rows: for kernels that hold every row of a GQA group in one program (their accumulator grows with the rows)."""
+    rows = queries.values.shape[2]
+    parts = [state_of(queries.rows(start, start + rows_per_call)) for start in range(0, rows, rows_per_call)]
+    return parts[0] if len(parts) == 1 else tuple(torch.cat(ts, 3) for ts in zip(*parts))
+
+
 def finish(state: State, queries: Queries) -> torch.Tensor:
     """The normalised output [B, Hq, r, D] in the query's dtype."""
     _, l, acc = state

@@ -123,6 +123,16 @@ if triton is not None:
         store_partials(m_out, l_out, acc_out, bh, split, N_SPLITS, m_i, l_i, acc, M_PAD, D)
 
 
+# Query rows (GQA group x positions) one program holds: its accumulator [M_PAD, D] fp32 and the [M_PAD, BLOCK_T]
+# logits must fit in one SM's registers and shared memory (a chunked prefill's 256-row block of a group of 4 asked
+# an H100 for 337 KB of shared memory against 227 KB). Longer calls run in row blocks.
+MAX_PROGRAM_ROWS = 64
+
+
+def rows_per_call(group: int) -> int:
+    return max(1, MAX_PROGRAM_ROWS // group)
+
+
 def plan_splits(n: int, programs: int, block_t: int, target_programs: int) -> tuple[int, int]:
     """Split-K plan: (number of splits, slots per split, a multiple of block_t) so that about
     target_programs programs run when `programs` (b*h) programs already cover the other axis."""
@@ -139,7 +149,7 @@ def partial_buffers(programs: int, splits: int, m_pad: int, dim: int, device):
 def lowbit_attention_state_triton(queries, codes, positions, valid=None, precision=None, block_t: int = 64,
                                   target_programs: int = 512):
     """Online-softmax state over rectangular low-bit codes [B, Hkv, T], as `lowbit_attention_state_reference`."""
-    from .online_softmax import merge_splits
+    from .online_softmax import by_row_blocks, merge_splits
 
     if queries.softcap is not None:
         raise ValueError("softcap is not supported by the Triton low-bit kernel; use the reference")
@@ -149,6 +159,9 @@ def lowbit_attention_state_triton(queries, codes, positions, valid=None, precisi
     batch, hq, rows, dim = query.shape
     hkv = codes.k_codes.shape[1]
     g = hq // hkv
+    if rows > rows_per_call(g):
+        return by_row_blocks(queries, rows_per_call(g), lambda part: lowbit_attention_state_triton(
+            part, codes, positions, valid, precision, block_t, target_programs))
     m_rows = g * rows
     m_pad = max(16, triton.next_power_of_2(m_rows))
     n_q = codes.num_slots

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .triton_quant import available, partial_buffers, plan_splits, triton
+from .triton_quant import available, partial_buffers, plan_splits, rows_per_call, triton
 
 if triton is not None:
     import triton.language as tl
@@ -58,7 +58,7 @@ def sparse_attention_state_triton(queries, keys, values, positions, selection, b
     """Online-softmax state over the selected slots, as `sparse_attention_state_reference`. keys/values are
     [B, Hkv, T, D], or one flat store [N, D] shared by every (row, head) with positions [N] (flat storage
     segments: indices are then absolute slot numbers into the store)."""
-    from .online_softmax import merge_splits
+    from .online_softmax import by_row_blocks, merge_splits
 
     if queries.softcap is not None:
         raise ValueError("softcap is not supported by the Triton sparse kernel; use the reference")
@@ -70,6 +70,9 @@ def sparse_attention_state_triton(queries, keys, values, positions, selection, b
     flat = keys.dim() == 2
     kv_stride, pos_stride = (0, 0) if flat else (keys.shape[2] * dim, keys.shape[2])
     g = hq // hkv
+    if rows > rows_per_call(g):
+        return by_row_blocks(queries, rows_per_call(g), lambda part: sparse_attention_state_triton(
+            part, keys, values, positions, selection, block_t, target_programs))
     m_rows = g * rows
     m_pad = max(16, triton.next_power_of_2(m_rows))
     n_idx = indices.shape[-1]
