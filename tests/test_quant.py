@@ -146,6 +146,8 @@ CASES = [  # (B, Hkv, GQA group, q_len, quantized slots, residual slots, bits, g
     (2, 1, 2, 2, 80, 33, 2, True, None),
     (1, 2, 2, 1, 96, 10, 8, True, 40),
     (1, 2, 2, 2, 64, 5, 8, False, None),
+    (1, 2, 4, 20, 64, 5, 4, False, None),  # 20 rows x 4: the Triton kernel runs them in blocks of rows_per_call(4)
+    (1, 1, 4, 18, 64, 3, 2, True, None),
 ]
 
 
@@ -170,10 +172,11 @@ def test_low_bit_attention_equals_attention_over_dequantized_cache(case):
                 valid, qpos, window)
             torch.testing.assert_close(codes_domain, expected, atol=1e-5, rtol=1e-5)
     assert triton_available(), "Triton must run here (CUDA, or TRITON_INTERPRET=1 on CPU)"
-    tri = lowbit_then_residual(lambda queries: lowbit_attention_state_triton(
-        queries, seg, pos[..., :seg.num_slots], valid[..., :seg.num_slots], block_t=16, target_programs=4), q, rk, rv, pos, valid, qpos,
-        window)
-    torch.testing.assert_close(tri, expected, atol=1e-5, rtol=1e-5)
+    for block_t in (16, 64):  # blocks inside one key group (its scale folded into the query), or across groups
+        tri = lowbit_then_residual(lambda queries: lowbit_attention_state_triton(
+            queries, seg, pos[..., :seg.num_slots], valid[..., :seg.num_slots], block_t=block_t, target_programs=4),
+            q, rk, rv, pos, valid, qpos, window)
+        torch.testing.assert_close(tri, expected, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if not c[7]])
