@@ -205,6 +205,77 @@ def test_cpu_kernel_equals_attention_over_dequantized_cache(case):
         torch.testing.assert_close(alone, expected, atol=1e-5, rtol=1e-5)
 
 
+def _attention_over(codes, positions, valid, q, qpos):
+    """[B, Hq, r, D]: attention of q (rows at positions qpos) over the dequantized slots of rectangular codes
+    where valid, causal by the slots' positions [B, Hkv, T]."""
+    keys, values = codes.dequantize(0, codes.num_slots)
+    group = q.shape[1] // keys.shape[1]
+    allowed = valid[:, :, None] & (positions[:, :, None] <= qpos[:, None])
+    return torch.nn.functional.scaled_dot_product_attention(
+        q, keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1),
+        attn_mask=allowed.repeat_interleave(group, 1), scale=q.shape[-1] ** -0.5)
+
+
+@pytest.mark.parametrize("codec", ["kivi", "gear"])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_cpu_kernel_reads_flat_runs_and_gathered_codes(codec, rows):
+    """lowbit_cpu.c over flat codes (a left-padded batch whose padding cuts key groups: per-(row, head) runs of
+    one store, each starting with a partial key group) and over codes gathered by an eviction (explicit key
+    groups) equals attention over the dequantized tokens, as the torch reference does; one query row reads with
+    no mask, several with one."""
+    from kvpress.kernels import lowbit_native
+    from kvpress.kernels.quant_attention import flat_lowbit_attention_state_reference
+
+    torch.manual_seed(7)
+    B, HKV, G, D, T, group = 2, 2, 3, 32, 64, 16
+    k, v = torch.randn(B, HKV, T, D) + 2 * torch.randn(D), torch.randn(B, HKV, T, D)
+    valid = (torch.arange(T) >= torch.tensor([5, 21])[:, None, None]).expand(B, HKV, T).contiguous()
+    if codec == "kivi":
+        codes = encode_kivi(k, v, valid, 4, group)
+    else:
+        codes = encode_gear(k, v, valid, 4, group, rank=2, outlier_ratio=0.1, power_iters=3)
+    q, qpos = torch.randn(B, HKV * G, rows, D), torch.arange(T - rows, T)
+    queries = Queries(q, qpos, D ** -0.5)
+    slot_positions = torch.arange(T).expand(B, HKV, T)
+    expected = _attention_over(codes, slot_positions, valid, q, qpos)
+
+    flat, lengths = codes.flatten(valid), valid.sum(-1)
+    flat_positions = slot_positions[valid][None, None]
+    assert lowbit_native.supports(queries, flat) and flat.k_group is not None
+    native = lowbit_native.flat_lowbit_attention_state_native(queries, flat, flat_positions, lengths)
+    torch.testing.assert_close(finish(native, queries), expected, atol=1e-5, rtol=1e-5)
+    reference = flat_lowbit_attention_state_reference(queries, flat, flat_positions, lengths, block=24)
+    torch.testing.assert_close(finish(reference, queries), expected, atol=1e-5, rtol=1e-5)
+
+    # a store grown by two flushes (each run's slots of the first, then of the second): GEAR's chunks and key
+    # outliers then come in flush order, not run by run
+    from kvpress.cache.segments import Segment
+
+    encode = encode_kivi if codec == "kivi" else (
+        lambda *args: encode_gear(*args, rank=2, outlier_ratio=0.1, power_iters=3))
+    parts = [encode(k[..., lo:hi, :], v[..., lo:hi, :], valid[..., lo:hi], 4, group) for lo, hi in ((0, 48), (48, T))]
+    halves = [Segment(part.flatten(valid[..., lo:hi]), slot_positions[..., lo:hi][valid[..., lo:hi]][None, None],
+                      lengths=valid[..., lo:hi].sum(-1)) for part, (lo, hi) in zip(parts, ((0, 48), (48, T)))]
+    grown = halves[0].cat_runs(halves[1])
+    if codec == "gear":
+        assert grown.data.k_basis.shape[2] == 2 * B * HKV
+    keys, values = (torch.cat(pair, 2) for pair in zip(*(part.dequantize(0, part.num_slots) for part in parts)))
+    allowed = (valid[:, :, None] & (slot_positions[:, :, None] <= qpos[:, None])).repeat_interleave(G, 1)
+    two_flushes = torch.nn.functional.scaled_dot_product_attention(
+        q, keys.repeat_interleave(G, 1), values.repeat_interleave(G, 1), attn_mask=allowed, scale=D ** -0.5)
+    native = lowbit_native.flat_lowbit_attention_state_native(queries, grown.data, grown.positions, grown.lengths)
+    torch.testing.assert_close(finish(native, queries), two_flushes, atol=1e-5, rtol=1e-5)
+
+    # an eviction kept 30 slots per head (sorted, from the real ones), some of them fillers
+    keep = torch.stack([torch.randperm(T - 21)[:30].sort().values + 21 for _ in range(B * HKV)]).view(B, HKV, 30)
+    real = (torch.rand(B, HKV, 30) > 0.2) | (keep >= T - rows)  # a query's own token is never a filler
+    gathered, positions = codes.gather(keep, real), keep
+    assert gathered.k_group is not None and lowbit_native.supports(queries, gathered)
+    native = lowbit_native.lowbit_attention_state_native(queries, gathered, positions, real)
+    torch.testing.assert_close(finish(native, queries), _attention_over(gathered, positions, real, q, qpos),
+                               atol=1e-5, rtol=1e-5)
+
+
 def test_cpu_kernel_without_a_compiler_falls_back_to_torch_with_a_warning(monkeypatch, tmp_path):
     from kvpress.kernels import lowbit_native
 

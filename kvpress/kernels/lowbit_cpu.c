@@ -7,9 +7,10 @@
  * with the same inputs is `codes_domain_attention_state` in quant_attention.py.
  *
  * Layout (contiguous): codes uint8 [BH, T, D * bits / 8], channel j * (8 / bits) + i is code i of byte j (low
- * bits first); fp16 key scale/min [BH, T / group, D] (per channel, per group of slots), value scale/min
- * [BH, T, C] (per slot, per group of channels); fp32 query rows [BH, R, D]; allowed uint8 [BH, R, T], or NULL:
- * every slot. */
+ * bits first); fp16 key scale/min [BH, Ng, D] (per channel, per key group of slots: slot / group, or the
+ * slot's k_group), value scale/min [BH, T, C] (per slot, per group of channels); fp32 query rows [BH, R, D];
+ * allowed uint8 [BH, R, T], or NULL: every slot. Flat codes (per-(row, head) runs of one store) are the same
+ * arrays with one data head of all the runs' slots, each run read by its own (row, head)'s queries. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -25,7 +26,7 @@ typedef struct {
     const _Float16 *k_basis, *v_basis;     /* [BH, Nc, D, rank] */
     const float *q_basis;                  /* [BH, Nc, R, rank]: the query rows times each chunk's key basis */
     const int32_t *chunk;                  /* [BH, T] */
-    const int32_t *k_out_slot, *k_out_chan; /* [BH, n_k] */
+    const int32_t *k_out_slot, *k_out_chan; /* [BH, n_k]; flat codes: [n_k], every run's entries */
     const _Float16 *k_out_val;             /* [BH, n_k] */
     const int32_t *v_out_idx;              /* [BH, T, n_v] */
     const _Float16 *v_out_val;             /* [BH, T, n_v] */
@@ -103,60 +104,74 @@ static void tail_split(const float *query, const float *keys, const float *value
     }
 }
 
-static void one_split(const uint8_t *k_codes, const _Float16 *k_scale, const _Float16 *k_min, const uint8_t *v_codes,
-                      const _Float16 *v_scale, const _Float16 *v_min, const float *query, const uint8_t *allowed,
-                      float scaling, float *m_out, float *l_out, float *acc_out, int64_t length, int64_t dim,
-                      int64_t rows, int64_t group, int64_t n_chan, int bits, int64_t h, int64_t t0, int64_t t1,
-                      const gear_terms *gear, float *p) {
+/* Which slots a work item reads and whose queries read them. Rectangular codes: data head dh = qh, slots
+ * [t0, t1) of that head, allowed columns = slot numbers. Flat codes (one store of per-(row, head) runs): data
+ * head 0, the run's slots [t0, t1) of the store, allowed columns counted from the run's first slot a0. */
+typedef struct {
+    int64_t dh, qh, t0, t1, a0, a_width;
+    int64_t e0, e1; /* GEAR: the key outlier entries to look through (a flat store's are in no per-head order) */
+} span;
+
+static void one_split(const uint8_t *k_codes, const _Float16 *k_scale, const _Float16 *k_min, const int32_t *k_group,
+                      const uint8_t *v_codes, const _Float16 *v_scale, const _Float16 *v_min, const float *query,
+                      const uint8_t *allowed, float scaling, float *m_out, float *l_out, float *acc_out,
+                      int64_t length, int64_t n_groups, int64_t dim, int64_t rows, int64_t group, int64_t n_chan,
+                      int bits, span at, const gear_terms *gear, float *p) {
     float code[MAX_DIM];
     const int64_t rank = gear ? gear->rank : 0, n_chunks = gear ? gear->n_chunks : 0;
-    const int64_t row_bytes = dim * bits / 8, n_groups = length / group, width = dim / n_chan;
-    const int64_t n = t1 - t0;
+    const int64_t row_bytes = dim * bits / 8, width = dim / n_chan;
+    const int64_t dh = at.dh, qh = at.qh, t0 = at.t0, t1 = at.t1, n = t1 - t0;
+    const int32_t *groups = k_group ? k_group + dh * length : NULL; /* NULL: slot / group */
+    const uint8_t *allow = allowed ? allowed + qh * rows * at.a_width : NULL; /* [R, a_width] */
     float *w = p + rows * (n + n_chan), *b = w + rows * dim; /* one key group's [R, D] weights and [R] bias */
-    /* logits of the split's slots, [R, n]: the queries take each key group's per-channel scale and mins */
-    for (int64_t g = t0 / group; g < t1 / group; ++g) {
-        const _Float16 *sc = k_scale + (h * n_groups + g) * dim, *mn = k_min + (h * n_groups + g) * dim;
-        for (int64_t r = 0; r < rows; ++r) {
-            const float *q = query + (h * rows + r) * dim;
-            float bias = 0.0f;
-            for (int64_t d = 0; d < dim; ++d) {
-                w[r * dim + d] = q[d] * (float)sc[d];
-                bias += q[d] * (float)mn[d];
-            }
-            b[r] = bias;
-        }
-        for (int64_t t = g * group; t < (g + 1) * group; ++t) {
-            unpack(k_codes + (h * length + t) * row_bytes, bits, dim, code);
+    /* logits of the split's slots, [R, n]: the queries take each key group's per-channel scale and mins, once
+     * per run of consecutive slots of one group */
+    int64_t current = -1;
+    for (int64_t t = t0; t < t1; ++t) {
+        const int64_t g = groups ? groups[t] : t / group;
+        if (g != current) {
+            const _Float16 *sc = k_scale + (dh * n_groups + g) * dim, *mn = k_min + (dh * n_groups + g) * dim;
             for (int64_t r = 0; r < rows; ++r) {
-                const float *wr = w + r * dim;
-                float dot = 0.0f;
-                for (int64_t d = 0; d < dim; ++d) dot += wr[d] * code[d];
-                if (gear) {
-                    const int64_t c = gear->chunk[h * length + t];
-                    const float *qb = gear->q_basis + ((h * n_chunks + c) * rows + r) * rank;
-                    const _Float16 *lr = gear->k_lr + (h * length + t) * rank;
-                    for (int64_t k = 0; k < rank; ++k) dot += (float)lr[k] * qb[k];
+                const float *q = query + (qh * rows + r) * dim;
+                float bias = 0.0f;
+                for (int64_t d = 0; d < dim; ++d) {
+                    w[r * dim + d] = q[d] * (float)sc[d];
+                    bias += q[d] * (float)mn[d];
                 }
-                const int ok = allowed == NULL || allowed[(h * rows + r) * length + t];
-                p[r * n + (t - t0)] = ok ? (dot + b[r]) * scaling : -INFINITY;
+                b[r] = bias;
             }
+            current = g;
+        }
+        unpack(k_codes + (dh * length + t) * row_bytes, bits, dim, code);
+        for (int64_t r = 0; r < rows; ++r) {
+            const float *wr = w + r * dim;
+            float dot = 0.0f;
+            for (int64_t d = 0; d < dim; ++d) dot += wr[d] * code[d];
+            if (gear) {
+                const int64_t c = gear->chunk[dh * length + t];
+                const float *qb = gear->q_basis + ((dh * n_chunks + c) * rows + r) * rank;
+                const _Float16 *lr = gear->k_lr + (dh * length + t) * rank;
+                for (int64_t k = 0; k < rank; ++k) dot += (float)lr[k] * qb[k];
+            }
+            const int ok = allow == NULL || allow[r * at.a_width + (t - at.a0)];
+            p[r * n + (t - t0)] = ok ? (dot + b[r]) * scaling : -INFINITY;
         }
     }
-    if (gear) /* each key outlier in this split: its exact value instead of the approximation */
-        for (int64_t e = 0; e < gear->n_k; ++e) {
-            const int64_t slot = gear->k_out_slot[h * gear->n_k + e], chan = gear->k_out_chan[h * gear->n_k + e];
+    if (gear) /* each key outlier of this head in this split: its exact value instead of the approximation */
+        for (int64_t e = at.e0; e < at.e1; ++e) {
+            const int64_t slot = gear->k_out_slot[e], chan = gear->k_out_chan[e];
             if (slot < t0 || slot >= t1) continue;
             const int per_byte = 8 / bits;
-            const int byte = k_codes[(h * length + slot) * row_bytes + chan / per_byte];
+            const int byte = k_codes[(dh * length + slot) * row_bytes + chan / per_byte];
             const float stored = (float)((byte >> (bits * (chan % per_byte))) & ((1 << bits) - 1));
-            const int64_t g = slot / group, c = gear->chunk[h * length + slot];
-            const float approx = stored * (float)k_scale[(h * n_groups + g) * dim + chan]
-                + (float)k_min[(h * n_groups + g) * dim + chan]
-                + low_rank(gear->k_lr + (h * length + slot) * rank,
-                           gear->k_basis + ((h * n_chunks + c) * dim + chan) * rank, rank);
-            const float delta = (float)gear->k_out_val[h * gear->n_k + e] - approx;
+            const int64_t g = groups ? groups[slot] : slot / group, c = gear->chunk[dh * length + slot];
+            const float approx = stored * (float)k_scale[(dh * n_groups + g) * dim + chan]
+                + (float)k_min[(dh * n_groups + g) * dim + chan]
+                + low_rank(gear->k_lr + (dh * length + slot) * rank,
+                           gear->k_basis + ((dh * n_chunks + c) * dim + chan) * rank, rank);
+            const float delta = (float)gear->k_out_val[e] - approx;
             for (int64_t r = 0; r < rows; ++r)
-                p[r * n + (slot - t0)] += query[(h * rows + r) * dim + chan] * delta * scaling; /* -inf stays */
+                p[r * n + (slot - t0)] += query[(qh * rows + r) * dim + chan] * delta * scaling; /* -inf stays */
         }
     softmax_partial(p, rows, n, m_out, l_out);
     /* values under the probabilities; the mins' part per channel group, spread over its channels at the end */
@@ -166,8 +181,8 @@ static void one_split(const uint8_t *k_codes, const _Float16 *k_scale, const _Fl
     memset(low, 0, sizeof(float) * rows * n_chan);
     memset(by_chunk, 0, sizeof(float) * rows * n_chunks * rank);
     for (int64_t t = t0; t < t1; ++t) {
-        unpack(v_codes + (h * length + t) * row_bytes, bits, dim, code);
-        const _Float16 *sc = v_scale + (h * length + t) * n_chan, *mn = v_min + (h * length + t) * n_chan;
+        unpack(v_codes + (dh * length + t) * row_bytes, bits, dim, code);
+        const _Float16 *sc = v_scale + (dh * length + t) * n_chan, *mn = v_min + (dh * length + t) * n_chan;
         for (int64_t r = 0; r < rows; ++r) {
             const float weight = p[r * n + (t - t0)];
             if (weight == 0.0f) continue;
@@ -178,14 +193,14 @@ static void one_split(const uint8_t *k_codes, const _Float16 *k_scale, const _Fl
                 for (int64_t d = c * width; d < (c + 1) * width; ++d) o[d] += a * code[d];
             }
             if (gear) {
-                const int64_t c = gear->chunk[h * length + t];
-                const _Float16 *lr = gear->v_lr + (h * length + t) * rank;
+                const int64_t c = gear->chunk[dh * length + t];
+                const _Float16 *lr = gear->v_lr + (dh * length + t) * rank;
                 for (int64_t k = 0; k < rank; ++k) by_chunk[(r * n_chunks + c) * rank + k] += weight * (float)lr[k];
                 for (int64_t e = 0; e < gear->n_v; ++e) { /* value outliers: exact instead of approximated */
-                    const int64_t at = (h * length + t) * gear->n_v + e, d = gear->v_out_idx[at];
+                    const int64_t at_v = (dh * length + t) * gear->n_v + e, d = gear->v_out_idx[at_v];
                     const float approx = code[d] * (float)sc[d / width] + (float)mn[d / width]
-                        + low_rank(lr, gear->v_basis + ((h * n_chunks + c) * dim + d) * rank, rank);
-                    o[d] += weight * ((float)gear->v_out_val[at] - approx);
+                        + low_rank(lr, gear->v_basis + ((dh * n_chunks + c) * dim + d) * rank, rank);
+                    o[d] += weight * ((float)gear->v_out_val[at_v] - approx);
                 }
             }
         }
@@ -195,24 +210,25 @@ static void one_split(const uint8_t *k_codes, const _Float16 *k_scale, const _Fl
             float sum = low[r * n_chan + d / width];
             for (int64_t c = 0; c < n_chunks; ++c)
                 sum += low_rank_f(by_chunk + (r * n_chunks + c) * rank,
-                                  gear->v_basis + ((h * n_chunks + c) * dim + d) * rank, rank);
+                                  gear->v_basis + ((dh * n_chunks + c) * dim + d) * rank, rank);
             acc_out[r * dim + d] += sum;
         }
 }
 
 /* m/l [BH, S + 1, R], acc [BH, S + 1, R, D]: the partials of `splits` consecutive slot ranges of each head's
- * codes, then of its full-precision tail (n_tail slots; with none, an empty partial). Returns 0, or -1 when a
- * work buffer could not be allocated. */
-int lowbit_attention(const uint8_t *k_codes, const _Float16 *k_scale, const _Float16 *k_min, const uint8_t *v_codes,
-                     const _Float16 *v_scale, const _Float16 *v_min, const float *query, const uint8_t *allowed,
-                     float scaling, float *m_out, float *l_out, float *acc_out, int64_t heads, int64_t length,
-                     int64_t dim, int64_t rows, int64_t group, int64_t n_chan, int bits, int64_t splits, int threads,
-                     const float *tail_keys, const float *tail_values, const uint8_t *tail_allowed, int64_t n_tail,
-                     const gear_terms *gear) {
+ * codes, then of its full-precision tail (n_tail slots; with none, an empty partial). run_start / run_length
+ * [BH] (NULL: rectangular codes [BH, length]): flat codes, one store of `length` slots in which head h's slots
+ * are run_length[h] slots from run_start[h], its allowed columns [R, allowed_width] counted from there. k_group
+ * (NULL: slot / group) gives each slot's key group. Returns 0, or -1 when a work buffer could not be allocated. */
+int lowbit_attention(const uint8_t *k_codes, const _Float16 *k_scale, const _Float16 *k_min, const int32_t *k_group,
+                     int64_t n_groups, const uint8_t *v_codes, const _Float16 *v_scale, const _Float16 *v_min,
+                     const float *query, const uint8_t *allowed, float scaling, float *m_out, float *l_out,
+                     float *acc_out, int64_t heads, int64_t length, int64_t dim, int64_t rows, int64_t group,
+                     int64_t n_chan, int bits, int64_t splits, int threads, const int64_t *run_start,
+                     const int64_t *run_length, int64_t allowed_width, const float *tail_keys,
+                     const float *tail_values, const uint8_t *tail_allowed, int64_t n_tail, const gear_terms *gear) {
     const int64_t items = heads * (splits + 1);
     const int64_t extra = gear ? gear->n_chunks * gear->rank : 0;
-    /* splits cut at whole key groups */
-    const int64_t per_split = ((length / group + splits - 1) / splits) * group;
     int failed = 0;
     /* every head's code splits first, then the (short) tails, handed out one at a time: threads stay balanced */
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1) reduction(| : failed)
@@ -220,9 +236,15 @@ int lowbit_attention(const uint8_t *k_codes, const _Float16 *k_scale, const _Flo
         const int64_t h = order < heads * splits ? order / splits : order - heads * splits;
         const int64_t s = order < heads * splits ? order % splits : splits;
         const int64_t item = h * (splits + 1) + s; /* where its partial goes */
-        const int64_t t0 = s * per_split < length ? s * per_split : length;
-        const int64_t t1 = t0 + per_split < length ? t0 + per_split : length;
-        const int64_t n = s < splits ? t1 - t0 : n_tail;
+        const int64_t start = run_start ? run_start[h] : 0, count = run_length ? run_length[h] : length;
+        /* splits cut at whole key groups (of slot-ordered codes) */
+        const int64_t per_split = (((count + group - 1) / group + splits - 1) / splits) * group;
+        const int64_t lo = s * per_split < count ? s * per_split : count;
+        const int64_t hi = lo + per_split < count ? lo + per_split : count;
+        const int64_t n_k = gear ? gear->n_k : 0;
+        const span at = {run_start ? 0 : h, h, start + lo, start + hi, start, run_start ? allowed_width : length,
+                         run_start ? 0 : h * n_k, run_start ? n_k : (h + 1) * n_k};
+        const int64_t n = s < splits ? hi - lo : n_tail;
         /* probabilities [R, n], the values' mins [R, C], a key group's weights [R, D] and bias [R], GEAR's
          * per-chunk sums [R, Nc, rank] */
         float *p = malloc(sizeof(float) * rows * (n + n_chan + dim + 1 + extra));
@@ -231,9 +253,9 @@ int lowbit_attention(const uint8_t *k_codes, const _Float16 *k_scale, const _Flo
             continue;
         }
         if (s < splits)
-            one_split(k_codes, k_scale, k_min, v_codes, v_scale, v_min, query, allowed, scaling, m_out + item * rows,
-                      l_out + item * rows, acc_out + item * rows * dim, length, dim, rows, group, n_chan, bits, h,
-                      t0, t1, gear, p);
+            one_split(k_codes, k_scale, k_min, k_group, v_codes, v_scale, v_min, query, allowed, scaling,
+                      m_out + item * rows, l_out + item * rows, acc_out + item * rows * dim, length, n_groups, dim,
+                      rows, group, n_chan, bits, at, gear, p);
         else
             tail_split(query, tail_keys, tail_values, tail_allowed, scaling, m_out + item * rows,
                        l_out + item * rows, acc_out + item * rows * dim, n_tail, dim, rows, h, p);

@@ -61,8 +61,9 @@ def _build() -> ctypes.CDLL:
             os.replace(built, target)
     library = ctypes.CDLL(str(target))
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    library.lowbit_attention.argtypes = ([ptr] * 8 + [ctypes.c_float] + [ptr] * 3 + [i64] * 6
-                                         + [ctypes.c_int, i64, ctypes.c_int] + [ptr] * 3 + [i64, ptr])
+    library.lowbit_attention.argtypes = ([ptr] * 4 + [i64] + [ptr] * 5 + [ctypes.c_float] + [ptr] * 3 + [i64] * 6
+                                         + [ctypes.c_int, i64, ctypes.c_int] + [ptr] * 2 + [i64] + [ptr] * 3
+                                         + [i64, ptr])
     library.lowbit_attention.restype = ctypes.c_int
     return library
 
@@ -81,58 +82,104 @@ def available() -> bool:
 
 
 def supports(queries: Queries, codes: LowBitCodes) -> bool:
-    """Slot-ordered KIVI or GEAR codes (no reordering) with fp16 scales, no softcap, on CPU, outside
-    torch.compile (a compiled graph traces the torch version instead of breaking at a foreign call)."""
+    """KIVI or GEAR codes (slot-ordered, gathered after an eviction, or flat runs) with fp16 scales, no softcap,
+    on CPU, outside torch.compile (a compiled graph traces the torch version instead of breaking at a foreign
+    call)."""
     return (not torch.compiler.is_compiling() and not queries.values.is_cuda
             and codes.k_scale.dtype == codes.v_scale.dtype == torch.float16
             and (codes.k_lr is None or codes.k_lr.dtype == codes.k_basis.dtype == torch.float16)
-            and codes.k_group is None and queries.softcap is None and codes.num_slots % codes.group_size == 0
-            and codes.group_size % (8 // codes.bits) == 0
-            and codes.head_dim <= MAX_HEAD_DIM and available())
+            and queries.softcap is None and codes.head_dim <= MAX_HEAD_DIM and available())
 
 
 def lowbit_attention_state_native(queries: Queries, codes: LowBitCodes, positions, valid=None,
                                   state: State | None = None, tail: tuple | None = None) -> State:
-    """`codes_domain_attention_state`'s result (see there for the algebra), computed by lowbit_cpu.c; with
-    `tail` = (keys, values, positions, valid) of the full-precision rectangle after the codes, that too, in the
-    same call."""
+    """`codes_domain_attention_state`'s result (see there for the algebra) over rectangular codes [B, Hkv, T],
+    computed by lowbit_cpu.c; with `tail` = (keys, values, positions, valid) of the full-precision rectangle after
+    the codes, that too, in the same call."""
     hkv = codes.k_codes.shape[1]
+    group = queries.values.shape[1] // hkv
+    allowed = _allowed(queries, positions, valid, group)
+    part = _run(queries, codes, codes.k_codes.shape[0], hkv, allowed, codes.num_slots,
+                tail=_tail_arrays(queries, tail, group))
+    return part if state is None else merge_states(state, part)
+
+
+def flat_lowbit_attention_state_native(queries: Queries, codes: LowBitCodes, positions, lengths,
+                                       state: State | None = None, tail: tuple | None = None) -> State:
+    """`flat_lowbit_attention_state`'s result (codes/positions [1, 1, N]: one store, each (row, head) a run of
+    `lengths` [B, Hkv] slots in (row, head) order), computed by lowbit_cpu.c: each run is read in place by its
+    own (row, head)'s queries; with `tail` (a full-precision rectangle, as in lowbit_attention_state_native),
+    that too, in the same call."""
+    from .sparse_attention import run_grid
+
+    batch, hkv = lengths.shape
+    group = queries.values.shape[1] // hkv
+    flat_lengths = lengths.flatten().long()
+    starts = (flat_lengths.cumsum(0) - flat_lengths).contiguous()
+    width = int(flat_lengths.max()) if flat_lengths.numel() else 0
+    allowed = None
+    if not queries.reads_every_slot(None):  # runs hold real tokens only: the mask is causality (and a window)
+        indices, ok = run_grid(starts.view(batch, hkv), lengths, width, codes.num_slots)
+        allowed = _allowed(queries, positions[0, 0][indices], ok, group, always=True)
+    part = _run(queries, codes, batch, hkv, allowed, width, runs=(starts, flat_lengths.contiguous()),
+                tail=_tail_arrays(queries, tail, group))
+    return part if state is None else merge_states(state, part)
+
+
+def _tail_arrays(queries: Queries, tail: tuple | None, group: int) -> tuple | None:
+    """(keys, values fp32 [B, Hkv, n, D], allowed) of a full-precision rectangle read in the kernel's call."""
+    if tail is None:
+        return None
+    return tail[0].float().contiguous(), tail[1].float().contiguous(), _allowed(queries, tail[2], tail[3], group)
+
+
+def _run(queries: Queries, codes: LowBitCodes, batch: int, hkv: int, allowed, allowed_width: int,
+         runs: tuple | None = None, tail: tuple | None = None) -> State:
+    """One call of lowbit_cpu.c's lowbit_attention: the state [B, Hkv, g, r(, D)] of `queries` over `codes`
+    (rectangular, or flat with runs = (starts, lengths) [B * Hkv] int64)."""
     q = queries.grouped(hkv)
-    batch, _, group, rows, dim = q.shape
-    length, g = codes.num_slots, codes.group_size
+    _, _, group, rows, dim = q.shape
     n_rows, heads = group * rows, batch * hkv
     qr = q.reshape(batch, hkv, n_rows, dim).contiguous()
     scales = [t.contiguous() for t in (codes.k_scale, codes.k_min, codes.v_scale, codes.v_min)]  # fp16
     k_codes, v_codes = codes.k_codes.contiguous(), codes.v_codes.contiguous()
-    allowed = _allowed(queries, positions, valid, group)
-    tail_keys = tail_values = tail_allowed = None
-    if tail is not None:
-        tail_keys, tail_values = tail[0].float().contiguous(), tail[1].float().contiguous()
-        tail_allowed = _allowed(queries, tail[2], tail[3], group)
-    n_tail = 0 if tail is None else tail_keys.shape[2]
-    gear, keep = _gear_terms(codes, qr)
+    k_group = None if codes.k_group is None else codes.k_group.to(torch.int32).contiguous()
+    tail_keys, tail_values, tail_allowed = tail or (None, None, None)
+    n_tail = 0 if tail_keys is None else tail_keys.shape[2]
+    gear, keep = _gear_terms(codes, qr, heads, runs)
     threads = torch.get_num_threads()
-    splits = max(1, min(-(-2 * threads // heads), length // MIN_SPLIT))
+    per_head = codes.num_slots if runs is None else codes.num_slots // max(heads, 1)
+    splits = max(1, min(-(-2 * threads // heads), per_head // MIN_SPLIT))
     m = torch.empty(heads, splits + 1, n_rows)
     l, acc = torch.empty_like(m), torch.empty(heads, splits + 1, n_rows, dim)
+    starts, lengths = runs or (None, None)
     failed = _library.lowbit_attention(
-        k_codes.data_ptr(), scales[0].data_ptr(), scales[1].data_ptr(), v_codes.data_ptr(), scales[2].data_ptr(),
-        scales[3].data_ptr(), qr.data_ptr(), _pointer(allowed), float(queries.scaling), m.data_ptr(), l.data_ptr(),
-        acc.data_ptr(), heads, length, dim, n_rows, g, codes.v_scale.shape[-1], codes.bits, splits, threads,
-        _pointer(tail_keys), _pointer(tail_values), _pointer(tail_allowed), n_tail,
+        k_codes.data_ptr(), scales[0].data_ptr(), scales[1].data_ptr(), _pointer(k_group), codes.k_scale.shape[2],
+        v_codes.data_ptr(), scales[2].data_ptr(), scales[3].data_ptr(), qr.data_ptr(), _pointer(allowed),
+        float(queries.scaling), m.data_ptr(), l.data_ptr(), acc.data_ptr(), heads, codes.num_slots, dim, n_rows,
+        codes.group_size, codes.v_scale.shape[-1], codes.bits, splits, threads, _pointer(starts), _pointer(lengths),
+        allowed_width, _pointer(tail_keys), _pointer(tail_values), _pointer(tail_allowed), n_tail,
         None if gear is None else ctypes.byref(gear))
     del keep  # the tensors behind gear's pointers lived through the call
     if failed:
         raise MemoryError("lowbit_cpu.c: a work buffer could not be allocated")
-    part = merge_splits(m, l, acc, (batch, hkv, group, rows), dim)
-    return part if state is None else merge_states(state, part)
+    return merge_splits(m, l, acc, (batch, hkv, group, rows), dim)
 
 
-def _gear_terms(codes: LowBitCodes, qr: torch.Tensor):
-    """(gear_terms, the tensors its pointers point into) for GEAR codes; (None, ()) for KIVI's."""
+def _gear_terms(codes: LowBitCodes, qr: torch.Tensor, heads: int, runs: tuple | None):
+    """(gear_terms, the tensors its pointers point into) for GEAR codes; (None, ()) for KIVI's. Flat codes hold
+    every run's chunks and key outliers in one list each, in no per-run order (flushes append theirs): each chunk
+    is read with the queries of the run whose slots it encodes, and each run looks through every outlier."""
     if codes.k_lr is None:
         return None, ()
-    q_basis = (qr[:, :, None] @ codes.k_basis.float()).contiguous()  # [B, H, Nc, R, r]
+    basis = codes.k_basis.float()
+    if runs is None:  # rectangular: [B, H, Nc, D, r]
+        q_basis = qr[:, :, None] @ basis  # [B, H, Nc, R, r]
+    else:  # flat: one data head of Nc chunks
+        owner = torch.zeros(basis.shape[2], dtype=torch.long)  # a chunk left with no slot is never read
+        owner[codes.chunk[0, 0].long()] = torch.repeat_interleave(torch.arange(heads), runs[1])
+        q_basis = qr.reshape(heads, *qr.shape[2:])[owner] @ basis[0, 0]  # [Nc, R, r]
+    q_basis = q_basis.contiguous()
     tensors = dict(k_lr=codes.k_lr, v_lr=codes.v_lr, k_basis=codes.k_basis, v_basis=codes.v_basis, q_basis=q_basis,
                    chunk=codes.chunk.to(torch.int32), k_out_slot=codes.k_out_slot.to(torch.int32),
                    k_out_chan=codes.k_out_chan.to(torch.int32), k_out_val=codes.k_out_val,
@@ -143,9 +190,10 @@ def _gear_terms(codes: LowBitCodes, qr: torch.Tensor):
     return gear, tensors
 
 
-def _allowed(queries: Queries, positions, valid, group: int) -> torch.Tensor | None:
-    """uint8 [B, H, g * r, T]: may each query row read each slot; None where every row may read every slot."""
-    if queries.reads_every_slot(valid):
+def _allowed(queries: Queries, positions, valid, group: int, always: bool = False) -> torch.Tensor | None:
+    """uint8 [B, H, g * r, T]: may each query row read each slot; None where every row may read every slot
+    (unless `always`)."""
+    if not always and queries.reads_every_slot(valid):
         return None
     allowed = queries.allowed(positions, valid)[:, :, None].expand(-1, -1, group, -1, -1)
     return allowed.flatten(2, 3).to(torch.uint8).contiguous()

@@ -3,14 +3,15 @@ is ever made. Any q_len works (decode, verification, chunked prefill). Each func
 state over the codes' slots, so the layer folds it with its full-precision segments.
 
 `lowbit_attention_state` (rectangular codes [B, Hkv, T]) dispatches: the Triton kernel on CUDA for KIVI codes;
-on CPU the C kernel of lowbit_native.py for KIVI or GEAR codes in slot order (with the layer's full-precision
-tail in the same call), `codes_domain_attention_state` under torch.compile or where the C kernel could not be
-built (the same computation in torch: the scales are folded into the queries and the probabilities, the codes
-unpacked into contiguous planes and never rescaled, GEAR's terms added as corrections), and the torch reference
-for the rest (codes reordered by eviction, the draft's reduced precision). `flat_lowbit_attention_state` reads
-a flat store of per-head runs (codes [1, 1, N] of a flat segment): each block of the store is dequantized once
-and every (row, head) reads its part of the block through the sparse-gather path. Torch only (no Triton or C
-kernel for flat codes yet).
+on CPU the C kernel of lowbit_native.py for KIVI or GEAR codes, in slot order or gathered by an eviction (with
+the layer's full-precision tail in the same call), `codes_domain_attention_state` under torch.compile or where
+the C kernel could not be built (the same computation in torch: the scales are folded into the queries and the
+probabilities, the codes unpacked into contiguous planes and never rescaled, GEAR's terms added as corrections),
+and the torch reference for the rest (codes reordered by eviction, the draft's reduced precision).
+`flat_lowbit_attention_state` reads a flat store of per-head runs (codes [1, 1, N] of a flat segment: a
+left-padded batch whose padding cuts key groups): on CPU through the same C kernel, each run in place; elsewhere
+through its torch reference, which dequantizes each block of the store once and lets every (row, head) read its
+part of the block through the sparse-gather path (no Triton kernel for flat codes yet).
 """
 
 from __future__ import annotations
@@ -203,9 +204,22 @@ def lowbit_attention_state(queries: Queries, codes: LowBitCodes, positions, vali
 
 
 def flat_lowbit_attention_state(queries: Queries, codes: LowBitCodes, positions, lengths, state: State | None = None,
-                                precision: int | None = None, block: int = 4096) -> State:
+                                precision: int | None = None, block: int = 4096, tail: tuple | None = None) -> State:
     """codes/positions [1, 1, N]: one flat store, each (row, head) a contiguous run of `lengths` [B, Hkv] slots in
-    (row, head) order."""
+    (row, head) order; `tail`: (keys, values, positions, valid) of full-precision rectangular slots read with
+    them. On CPU, lowbit_cpu.c reads each run in place (and the tail in the same call); elsewhere (and as its
+    reference) blocks of the store are dequantized and each run's part gathered."""
+    from . import lowbit_native
+
+    if precision in (None, codes.bits) and lowbit_native.supports(queries, codes):
+        return lowbit_native.flat_lowbit_attention_state_native(queries, codes, positions, lengths, state, tail)
+    state = flat_lowbit_attention_state_reference(queries, codes, positions, lengths, state, precision, block)
+    return state if tail is None else dense_attention_state(queries, *tail, state)
+
+
+def flat_lowbit_attention_state_reference(queries: Queries, codes: LowBitCodes, positions, lengths,
+                                          state: State | None = None, precision: int | None = None,
+                                          block: int = 4096) -> State:
     batch, hkv = lengths.shape
     q = queries.grouped(hkv)
     state = empty_state(q) if state is None else state
