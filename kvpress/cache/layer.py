@@ -11,7 +11,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from ..kernels.online_softmax import Queries, dense_attention_state, empty_state, finish
 from ..kernels.quant_attention import flat_lowbit_attention_state, lowbit_attention_state
-from ..kernels.sparse_attention import flat_attention_state, sparse_attention
+from ..kernels.sparse_attention import GATHER_SLOTS, flat_attention_state, sparse_attention
 from .codecs import LowBitCodes
 from .segments import FullPrecision, Segment, dense
 
@@ -583,10 +583,12 @@ class KVPressLayer(CacheLayerMixin):
 
     def _flush_flat(self, residual: int, group: int, encode) -> None:
         """Flat layer: each head moves its oldest whole groups, keeping >= residual full-precision tokens."""
-        fp = self._flat_full_precision()
-        n_move = ((fp.lengths - residual).clamp(min=0) // group) * group  # [B, Hkv]
+        # counted before any copy: most decode steps move nothing (a head flushes once per `group` tokens)
+        full_precision = sum(s.counts() for s in self.segments if not s.low_bit)
+        n_move = ((full_precision - residual).clamp(min=0) // group) * group  # [B, Hkv]
         if not bool((n_move > 0).any()):
             return
+        fp = self._flat_full_precision()
         grid, ok = fp.grid()
         rank = torch.arange(grid.shape[-1], device=grid.device)
         move = ok & (rank < n_move[..., None])
@@ -619,6 +621,14 @@ class KVPressLayer(CacheLayerMixin):
         kind, folded into one online softmax."""
         batch, heads = self._shape()
         tail = self.tail
+        first, after = self.segments[0], list(zip(self.segments, self._offsets()))[1:]
+        if (first.low_bit and first.flat and after and not any(s.low_bit for s, _ in after)
+                and batch * heads * sum(s.width for s, _ in after) <= GATHER_SLOTS):
+            # flat codes (a padded batch under KIVI / GEAR) and their short full-precision window behind them (flat
+            # runs and the newest tokens), the window gathered into one small rectangle: one kernel call
+            state = flat_lowbit_attention_state(queries, first.data, first.positions, first.lengths, state,
+                                                precision, tail=self._rectangle(after))
+            return finish(state, queries)
         # a rectangular full-precision tail (the newest tokens) is read in the same call as the segment before it
         # when that is flat full-precision runs or rectangular codes (KIVI's layout)
         before = self.segments[-2] if len(self.segments) > 1 else None
@@ -646,6 +656,13 @@ class KVPressLayer(CacheLayerMixin):
                                               segment.view_positions(offset, batch, heads, self.device),
                                               segment.valid, state)
         return finish(empty_state(queries.grouped(self.num_kv_heads)) if state is None else state, queries)
+
+    def _rectangle(self, segments) -> tuple:
+        """(keys, values, positions, valid) [B, Hkv, n(, D)] of full-precision (segment, offset)s side by side in
+        their padded views (a flat segment's is a transient copy)."""
+        batch, heads = self._shape()
+        parts = [s.padded(offset, batch, heads, self.device) for s, offset in segments if s.width]
+        return tuple(torch.cat(tensors, 2) for tensors in zip(*parts))
 
     def attend(self, read: Read, base) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The read path of one attention call: (output [B, q_len, Hq, D] in transformers' layout, the attention

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..kernels.sparse_attention import run_grid
-from .codecs import LowBitCodes
+from .codecs import LowBitCodes, take_slots
 
 
 # ---------------------------------------------------------------------------- full-precision payload
@@ -119,21 +119,6 @@ def _grown(old: torch.Tensor, new: torch.Tensor, capacity: int) -> torch.Tensor:
     return buffer
 
 
-def take_slots(tensor: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-    """tensor[b, h, indices[b, h, t]] as a new [B, H, T', D] tensor. Whole D-rows are copied by one flat
-    index_select over the storage (a gather with indices expanded over D reads an index per element and is
-    about 5x slower); `tensor` may be the filled prefix of a larger buffer."""
-    batch, heads, _, dim = tensor.shape
-    if tensor.stride(-1) != 1 or tensor.stride(-2) != dim or any(
-            n % dim for n in (tensor.stride(0), tensor.stride(1), tensor.storage_offset())):
-        tensor = tensor.contiguous()
-    rows = tensor.as_strided((tensor.untyped_storage().nbytes() // (tensor.element_size() * dim), dim), (dim, 1), 0)
-    first = (tensor.storage_offset()
-             + torch.arange(batch, device=indices.device)[:, None, None] * tensor.stride(0)
-             + torch.arange(heads, device=indices.device)[None, :, None] * tensor.stride(1)) // dim
-    return rows.index_select(0, (indices + first).flatten()).view(batch, heads, indices.shape[-1], dim)
-
-
 # ---------------------------------------------------------------------------- the segment
 @dataclass
 class Segment:
@@ -197,6 +182,15 @@ class Segment:
         if self.valid is None:
             return torch.ones(batch, heads, self.num_slots, dtype=torch.bool, device=device)
         return self.valid
+
+    def padded(self, offset: int, batch: int, heads: int, device) -> tuple:
+        """(keys, values, positions, valid) of a full-precision segment in its padded view [B, Hkv, W(, D)]; slots
+        past a flat run hold some real slot's data and are not valid (a transient copy when flat)."""
+        if not self.flat:
+            return (self.data.keys, self.data.values, self.view_positions(offset, batch, heads, device),
+                    self.view_valid(batch, heads, device))
+        indices, ok = self.grid()
+        return (self.data.keys[0, 0][indices], self.data.values[0, 0][indices], self.positions[0, 0][indices], ok)
 
     def view_state(self, name: str, batch: int, heads: int, device) -> torch.Tensor:
         if name in self.state:

@@ -73,16 +73,22 @@ def flat_attention_state(queries: Queries, keys, values, positions, starts: torc
     keys, values [B, Hkv, t, D], positions [B, Hkv, t], valid [B, Hkv, t] or None). On CUDA: the sparse Triton
     kernel over the runs' indices. Elsewhere: each run is a contiguous slice of the store, read in place, instead of
     the reference's gathered, padded copy of the whole layer per call: for a few query rows, a row's runs and its
-    rectangular slots in one softmax; beyond, one small block update per run."""
+    rectangular slots in one softmax; beyond, one small block update per run. A short store (a low-bit layer's
+    full-precision window: at most GATHER_SLOTS padded slots) is gathered into its padded grid and read in one
+    batched pass: a copy that small costs less than a loop over rows."""
     from . import triton_sparse
 
     if use_triton is None:
         use_triton = queries.values.is_cuda and triton_sparse.available() and queries.softcap is None
+    width = int(lengths.max()) if lengths.numel() else 0
+    if not use_triton and lengths.numel() * width <= GATHER_SLOTS:
+        indices, ok = run_grid(starts, lengths, width, keys.shape[0])
+        state = dense_attention_state(queries, keys[indices], values[indices], positions[indices], ok, state)
+        return state if rect is None else dense_attention_state(queries, *rect, state)
     if queries.values.shape[2] <= _DENSE_ROWS and not use_triton:
         part = _flat_rows_dense(queries, keys, values, positions, lengths, rect)
         return part if state is None else merge_states(state, part)
     if use_triton:
-        width = int(lengths.max()) if lengths.numel() else 0
         state = sparse_attention_state(queries, keys, values, positions,
                                        Selection(*run_grid(starts, lengths, width, keys.shape[0])), state, True)
         return state if rect is None else dense_attention_state(queries, *rect, state)
@@ -105,6 +111,7 @@ def flat_attention_state(queries: Queries, keys, values, positions, starts: torc
 
 
 _DENSE_ROWS = 4  # query rows up to which a row's runs are read as one dense block (decode steps, verifications)
+GATHER_SLOTS = 4096  # padded slots (rows x heads x longest run) up to which a flat store is gathered and read at once
 
 
 def _flat_rows_dense(queries: Queries, keys, values, positions, lengths, rect) -> State:
