@@ -657,12 +657,12 @@ class KVPressLayer(CacheLayerMixin):
                                               segment.valid, state)
         return finish(empty_state(queries.grouped(self.num_kv_heads)) if state is None else state, queries)
 
-    def _rectangle(self, segments) -> tuple:
+    def _rectangle(self, segments) -> tuple | None:
         """(keys, values, positions, valid) [B, Hkv, n(, D)] of full-precision (segment, offset)s side by side in
-        their padded views (a flat segment's is a transient copy)."""
+        their padded views (a flat segment's is a transient copy); None when they hold no slot."""
         batch, heads = self._shape()
         parts = [s.padded(offset, batch, heads, self.device) for s, offset in segments if s.width]
-        return tuple(torch.cat(tensors, 2) for tensors in zip(*parts))
+        return tuple(torch.cat(tensors, 2) for tensors in zip(*parts)) if parts else None
 
     def attend(self, read: Read, base) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The read path of one attention call: (output [B, q_len, Hq, D] in transformers' layout, the attention
