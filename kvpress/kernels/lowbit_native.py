@@ -115,13 +115,13 @@ def flat_lowbit_attention_state_native(queries: Queries, codes: LowBitCodes, pos
     batch, hkv = lengths.shape
     group = queries.values.shape[1] // hkv
     flat_lengths = lengths.flatten().long()
-    starts = (flat_lengths.cumsum(0) - flat_lengths).contiguous()
+    starts = flat_lengths.cumsum(0) - flat_lengths
     width = int(flat_lengths.max()) if flat_lengths.numel() else 0
     allowed = None
     if not queries.reads_every_slot(None):  # runs hold real tokens only: the mask is causality (and a window)
         indices, ok = run_grid(starts.view(batch, hkv), lengths, width, codes.num_slots)
-        allowed = _allowed(queries, positions[0, 0][indices], ok, group, always=True)
-    part = _run(queries, codes, batch, hkv, allowed, width, runs=(starts, flat_lengths.contiguous()),
+        allowed = _allowed(queries, positions[0, 0][indices], ok, group)
+    part = _run(queries, codes, batch, hkv, allowed, width, runs=(starts, flat_lengths),
                 tail=_tail_arrays(queries, tail, group))
     return part if state is None else merge_states(state, part)
 
@@ -190,10 +190,9 @@ def _gear_terms(codes: LowBitCodes, qr: torch.Tensor, heads: int, runs: tuple | 
     return gear, tensors
 
 
-def _allowed(queries: Queries, positions, valid, group: int, always: bool = False) -> torch.Tensor | None:
-    """uint8 [B, H, g * r, T]: may each query row read each slot; None where every row may read every slot
-    (unless `always`)."""
-    if not always and queries.reads_every_slot(valid):
+def _allowed(queries: Queries, positions, valid, group: int) -> torch.Tensor | None:
+    """uint8 [B, H, g * r, T]: may each query row read each slot; None where every row may read every slot."""
+    if queries.reads_every_slot(valid):
         return None
     allowed = queries.allowed(positions, valid)[:, :, None].expand(-1, -1, group, -1, -1)
     return allowed.flatten(2, 3).to(torch.uint8).contiguous()

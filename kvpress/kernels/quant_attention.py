@@ -7,7 +7,8 @@ on CPU the C kernel of lowbit_native.py for KIVI or GEAR codes, in slot order or
 the layer's full-precision tail in the same call), `codes_domain_attention_state` under torch.compile or where
 the C kernel could not be built (the same computation in torch: the scales are folded into the queries and the
 probabilities, the codes unpacked into contiguous planes and never rescaled, GEAR's terms added as corrections),
-and the torch reference for the rest (codes reordered by eviction, the draft's reduced precision).
+and the torch reference for the rest (the draft's reduced precision; codes reordered by eviction where the C
+kernel does not run).
 `flat_lowbit_attention_state` reads a flat store of per-head runs (codes [1, 1, N] of a flat segment: a
 left-padded batch whose padding cuts key groups): on CPU through the same C kernel, each run in place; elsewhere
 through its torch reference, which dequantizes each block of the store once and lets every (row, head) read its
