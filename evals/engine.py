@@ -31,6 +31,7 @@ import torch
 
 import kvpress
 from kvpress import KVPressCache, KVPressLayer
+from kvpress.integrations.hf import with_cache
 from kvpress.policies import Policy, resolve_policy
 from kvpress.policies.base import Needs, ScorerPolicy, evict_to_budget
 from kvpress.policies.registry import get_policy_class
@@ -162,7 +163,7 @@ def prefill(model, ids: torch.Tensor, configs: list[Config]) -> Prefill:
     cache = KVPressCache(model.config)
     with kvpress.patch_model(model, fan):
         start = time.perf_counter()
-        out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        out = model(**with_cache(model, cache, input_ids=ids, use_cache=True, logits_to_keep=1))
         total = time.perf_counter() - start
     forward_s = total - fan.total_s
     caches = {}
@@ -205,7 +206,7 @@ def greedy(model, cache: KVPressCache, logits: torch.Tensor, max_new: int, stop:
                 if isinstance(policy, Rows):
                     patched.close()
                     patched.enter_context(kvpress.patch_model(model, Rows([policy.policies[r] for r in active])))
-            logits = model(input_ids=nxt[:, None], past_key_values=cache, use_cache=True).logits[:, -1].float()
+            logits = model(**with_cache(model, cache, input_ids=nxt[:, None], use_cache=True)).logits[:, -1].float()
     return tokens
 
 
@@ -317,6 +318,6 @@ def answer(model, pre: Prefill, batch: list[Config], policy: Policy, question_id
     else:
         with kvpress.patch_model(model, policy):
             ids = question_ids.expand(len(batch), -1)
-            logits = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+            logits = model(**with_cache(model, cache, input_ids=ids, use_cache=True, logits_to_keep=1)).logits[:, -1]
     tokens = greedy(model, cache, logits.float(), max_new, stop, policy)
     return tokens, time.perf_counter() - start

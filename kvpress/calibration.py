@@ -264,6 +264,7 @@ def collect(model, tokenizer, texts: list, target: str = "kvzip", chunk_size: in
     """Per text: {'hidden': {layer: [T, H] bf16}, 'scores': {layer: [K, T] fp32 KVzip scores},
     'head_error': {layer: [K]}}. The model is patched for the duration only."""
     from . import patch_model
+    from .integrations.hf import with_cache
     from .cache import KVPressCache
 
     recorder = _recorder_class()
@@ -274,8 +275,8 @@ def collect(model, tokenizer, texts: list, target: str = "kvzip", chunk_size: in
                           tokenizer=tokenizer, sink=sink, head_sink=head_sink, head_window=head_window)
         device = next(model.parameters()).device
         with torch.no_grad(), patch_model(model, policy):
-            model(input_ids=torch.tensor([ids], device=device), past_key_values=KVPressCache(model.config),
-                  use_cache=True, logits_to_keep=1)
+            model(**with_cache(model, KVPressCache(model.config), input_ids=torch.tensor([ids], device=device),
+                               use_cache=True, logits_to_keep=1))
         sink["head_error"] = {i: torch.stack(e).mean(0) for i, e in sink["head_error"].items()}
         out.append(sink)
         log(f"  text {n + 1}/{len(texts)}: {len(ids)} tokens")

@@ -7,6 +7,7 @@ from transformers import DynamicCache
 import kvpress
 from kvpress import KVPressCache, KVPressLayer
 from kvpress.kernels.online_softmax import Queries
+from kvpress.integrations.hf import given_cache
 from kvpress.policies import H2O, TOVA, SnapKV, StreamingLLM
 
 from conftest import TINY, greedy, tiny_model
@@ -116,7 +117,7 @@ def test_unmasked_decode_reads_equal_masked_ones(policy, monkeypatch):
 
 def _instrument(model, record):
     def after(module, args, kwargs, output):
-        cache = kwargs["past_key_values"]
+        cache = given_cache(kwargs)
         record.append([(layer.seen, layer.key_positions().clone(), layer.tokens_per_head().clone())
                        for layer in cache.layers if isinstance(layer, KVPressLayer)])
     return model.register_forward_hook(after, with_kwargs=True)
@@ -238,3 +239,31 @@ def test_beam_search_reorders_the_compressed_cache():
         cache = KVPressCache(model.config)
         out = model.generate(ids, past_key_values=cache, **kw)
     assert out.shape == (1, 38) and cache.layers[0].keys_view().shape[:3] == (3, 2, 16)
+
+
+@pytest.mark.parametrize("argument", ["cache", "past_key_values"])
+def test_a_cache_given_under_either_name_is_compressed(argument):
+    """transformers 5.2x renamed the forwards' cache argument past_key_values -> cache (the old name deprecated):
+    under either name the patched model compresses the cache it is given, and a module that receives no cache
+    while its forward was given a KVPressCache raises instead of running uncompressed."""
+    import inspect
+
+    model = tiny_model("llama")
+    if argument == "cache" and "cache" not in inspect.signature(model.forward).parameters:
+        pytest.skip("this transformers release takes past_key_values only")
+    ids = torch.randint(3, 128, (1, 64))
+    with kvpress.patch_model(model, "snapkv", compression_ratio=0.5):
+        cache = KVPressCache(model.config)
+        model(ids, **{argument: cache})
+        assert all(layer.stored == 32 for layer in cache.layers)
+
+
+def test_a_module_that_misses_its_cache_raises(monkeypatch):
+    from kvpress.integrations import hf
+
+    model = tiny_model("llama")
+    with kvpress.patch_model(model, "snapkv", compression_ratio=0.5):
+        read = hf.given_cache
+        monkeypatch.setattr(hf, "given_cache", lambda kwargs: None if "hidden_states" in kwargs else read(kwargs))
+        with pytest.raises(RuntimeError, match="ran without the KVPressCache"):
+            model(torch.randint(3, 128, (1, 16)), past_key_values=KVPressCache(model.config))

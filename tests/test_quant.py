@@ -6,6 +6,7 @@ from transformers import DynamicCache
 
 import kvpress
 from kvpress import KVPressCache, KVPressLayer
+from kvpress.integrations.hf import given_cache
 from kvpress.cache.codecs import encode_gear, encode_kivi, pack, unpack, unpack_floats
 from kvpress.kernels import allowed_mask
 from kvpress.kernels.online_softmax import Queries, dense_attention_state, finish
@@ -353,7 +354,7 @@ def test_nbytes_is_the_real_storage_and_residual_stays_bounded():
     record = []
 
     def after(module, args, kwargs, output):
-        for layer in _kivi_layers(kwargs["past_key_values"]):
+        for layer in _kivi_layers(given_cache(kwargs)):
             held = [t for segment in layer.segments for t in segment.tensors()]
             record.append((layer.stored - layer.quantized_len, layer.nbytes(),
                            sum(t.untyped_storage().nbytes() for t in held), layer.quantized_len))

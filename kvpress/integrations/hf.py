@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import numbers
 import threading
 import weakref
@@ -33,6 +34,26 @@ from ..positions import Rotary
 
 SUPPORTED_BASES = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")
 _PREFIX = "kvpress_"
+
+# transformers 5.2x renamed the forwards' cache argument from `past_key_values` to `cache` (the old name is accepted,
+# deprecated, until 5.40). The hooks read whichever a forward was given; kvpress's own calls pass the name the model's
+# forward declares. One place for the name, so a forward's cache is never missed (a missed cache would run the model
+# uncompressed).
+def given_cache(kwargs: dict):
+    """The cache a forward (or generate call) was given, under either name; None when none was."""
+    cache = kwargs.get("cache")
+    return kwargs.get("past_key_values") if cache is None else cache
+
+
+def cache_argument(model) -> str:
+    """The name `model`'s forward takes its cache under."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def with_cache(model, cache, **kwargs) -> dict:
+    """Forward arguments `kwargs` plus `cache` under the name `model` takes it."""
+    return {**kwargs, cache_argument(model): cache}
+
 
 _BINDINGS: "weakref.WeakKeyDictionary[torch.nn.Module, _Binding]" = weakref.WeakKeyDictionary()
 _PATCHES: "weakref.WeakKeyDictionary[torch.nn.Module, Patch]" = weakref.WeakKeyDictionary()
@@ -68,6 +89,12 @@ def kvpress_attention(module, query, key, value, attention_mask, **kwargs):
         raise RuntimeError(f"{type(module).__name__} runs kvpress attention but is not patched by kvpress")
     patch = binding.patch
     cache, hidden_states = patch.live.calls.get(module, (None, None))
+    if cache is None and patch.live.entered and isinstance(patch.live.entered[-1], KVPressCache):
+        # the model's forward was given a KVPressCache but this module was not (a transformers release that passes
+        # it under another name): running it would read and keep nothing compressed
+        raise RuntimeError(f"kvpress: {type(module).__name__} (layer {module.layer_idx}) ran without the KVPressCache "
+                           f"its model's forward was given; transformers passed it under a name kvpress does not "
+                           f"read (kvpress reads `cache` and `past_key_values`)")
     layer = cache.layers[module.layer_idx] if isinstance(cache, KVPressCache) else None
     if not isinstance(layer, KVPressLayer):  # no cache, a stock cache, or a stock (sliding) layer
         return patch.base_attention(module, query, key, value, attention_mask, **kwargs)
@@ -192,7 +219,7 @@ class Patch:
     # -- hooks: what each forward hands kvpress (per thread, dropped when the module's forward ends)
     def _bind(self, module, args, kwargs):
         hidden = (args[0] if args else kwargs.get("hidden_states")) if self.needs.hidden_states else None
-        self.live.calls[module] = (kwargs.get("past_key_values"), hidden)
+        self.live.calls[module] = (given_cache(kwargs), hidden)
 
     def _unbind(self, module, args, output):
         self.live.calls.pop(module, None)
@@ -214,7 +241,7 @@ class Patch:
             self._running_changed.notify_all()
 
     def _enter_forward(self, model, args, kwargs):
-        self._enter(kwargs.get("past_key_values"))
+        self._enter(given_cache(kwargs))
 
     def _exit_forward(self, model, args, kwargs, output):
         # runs even when the forward raised (always_call); a forward that began before this patch existed (on
@@ -232,10 +259,11 @@ class Patch:
             raise RuntimeError(
                 f"attn_implementation was changed to {model.config._attn_implementation!r} while kvpress patched "
                 f"this model (it must stay {self.attn_implementation!r}); unpatch() first, change it, then patch again")
-        cache = kwargs.get("past_key_values")
+        cache = given_cache(kwargs)
         if cache is not None and not isinstance(cache, KVPressCache):
             raise ValueError(
-                f"past_key_values={type(cache).__name__}: a kvpress-patched model compresses only a KVPressCache; "
+                f"{'cache' if kwargs.get('cache') is not None else 'past_key_values'}={type(cache).__name__}: a "
+                f"kvpress-patched model compresses only a KVPressCache; "
                 f"allowed values: kvpress.KVPressCache(model.config), or None (generate then makes one)")
         if isinstance(cache, KVPressCache) and cache.question_ids is not None and self.prefill_chunk_size is None:
             raise ValueError("KVPressCache(question_ids=...) gives the question to a chunked prefill, but this patch "
@@ -246,7 +274,7 @@ class Patch:
             cache.prefilling = cache.probe is None and cache.get_seq_length() == 0
 
     def _after_forward(self, model, args, kwargs, output):
-        cache = kwargs.get("past_key_values")
+        cache = given_cache(kwargs)
         if isinstance(cache, KVPressCache) and cache.prefilling:
             self._after_prompt(cache, args, kwargs)
 
@@ -289,8 +317,8 @@ class Patch:
         cache.probe = on_layer
         try:
             with torch.no_grad():
-                self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                           past_key_values=cache, use_cache=True, logits_to_keep=1)
+                self.model(**with_cache(self.model, cache, input_ids=input_ids, attention_mask=attention_mask,
+                                        position_ids=position_ids, use_cache=True, logits_to_keep=1))
         finally:
             cache.probe = None
             cache._restore(saved)
@@ -320,14 +348,14 @@ class Patch:
 
         @functools.wraps(generate)
         def kvpress_generate(*args, **kwargs):
-            if kwargs.get("past_key_values") is None and kwargs.get("use_cache", True):
-                kwargs["past_key_values"] = KVPressCache(model.config)
+            if given_cache(kwargs) is None and kwargs.get("use_cache", True):
+                kwargs[cache_argument(model)] = KVPressCache(model.config)
             self._enter(None)
             try:
                 out = generate(*args, **kwargs)
             finally:
                 self._exit()
-            cache = kwargs["past_key_values"] if kwargs.get("use_cache", True) else None
+            cache = given_cache(kwargs) if kwargs.get("use_cache", True) else None
             if isinstance(cache, KVPressCache):
                 _LAST_STATS[model] = cache_summary(cache, self.policy)
             return out
@@ -342,7 +370,7 @@ class Patch:
         def chunked_prefill_forward(*args, **kwargs):
             if len(args) == 1 and "input_ids" not in kwargs:
                 kwargs["input_ids"], args = args[0], ()
-            cache = kwargs.get("past_key_values")
+            cache = given_cache(kwargs)
             tokens = kwargs.get("input_ids")
             tokens = kwargs.get("inputs_embeds") if tokens is None else tokens
             mask = kwargs.get("attention_mask")

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..cache import KVPressCache
-from ..integrations.hf import _PATCHES, patch_model
+from ..integrations.hf import _PATCHES, patch_model, with_cache
 from ..policies import KIVI, Quant4View, Quest, ReadPolicy, Retrieval, SinkWindow, TopK
 
 DRAFTS = {"sink_window": SinkWindow, "retrieval": Retrieval, "quest": Quest, "topk": TopK, "quant4": Quant4View}
@@ -172,7 +172,7 @@ def _loop(model, input_ids, prompt_mask, view, gamma, max_new_tokens, do_sample,
         grown = cache.get_seq_length() + q - prompt_len
         mask = torch.cat([prompt_mask, prompt_mask.new_ones(batch, grown)], 1)
         positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)[:, -q:]
-        return model(tokens, attention_mask=mask, position_ids=positions, past_key_values=cache).logits
+        return model(tokens, **with_cache(model, cache, attention_mask=mask, position_ids=positions)).logits
 
     def pick(logits):
         if not do_sample:
