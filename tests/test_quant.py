@@ -201,6 +201,14 @@ def test_cpu_kernel_equals_attention_over_dequantized_cache(case):
         together = lowbit_native.lowbit_attention_state_native(queries, seg, pos[..., :TQ], seg_valid,
                                                                tail=(rk, rv, pos[..., TQ:], tail_valid))
         torch.testing.assert_close(finish(together, queries), expected, atol=1e-5, rtol=1e-5)
+        # the tail as the filled prefix of buffers with spare room (a layer's tail): read in place, same result
+        room_k, room_v = (torch.randn(B, HKV, TR + 7, t.shape[-1]) for t in (rk, rv))
+        room_k[:, :, :TR], room_v[:, :, :TR] = rk, rv
+        in_place = lowbit_native.lowbit_attention_state_native(
+            queries, seg, pos[..., :TQ], seg_valid, tail=(room_k[:, :, :TR], room_v[:, :, :TR], pos[..., TQ:],
+                                                          tail_valid))
+        assert TR == 0 or lowbit_native._rows_in_place(room_k[:, :, :TR]).data_ptr() == room_k.data_ptr()  # no copy
+        torch.testing.assert_close(finish(in_place, queries), expected, atol=1e-5, rtol=1e-5)
         alone = lowbit_then_residual(lambda queries: lowbit_native.lowbit_attention_state_native(
             queries, seg, pos[..., :TQ], seg_valid), q, rk, rv, pos, valid, qpos, window)
         torch.testing.assert_close(alone, expected, atol=1e-5, rtol=1e-5)

@@ -12,7 +12,7 @@ from transformers.cache_utils import CacheLayerMixin
 from ..kernels.online_softmax import Queries, dense_attention_state, empty_state, finish
 from ..kernels.quant_attention import flat_lowbit_attention_state, lowbit_attention_state
 from ..kernels.sparse_attention import GATHER_SLOTS, flat_attention_state, sparse_attention
-from .codecs import LowBitCodes
+from .codecs import LowBitCodes, take_slots
 from .segments import FullPrecision, Segment, dense
 
 _MASK_ROWS = 256  # query rows per block when dense attention needs a mask built from stored positions
@@ -55,6 +55,7 @@ class KVPressLayer(CacheLayerMixin):
       row_budget     [B] tokens each row may keep (per KV head, on average), fixed by the policy at prefill
       decode_start   tokens seen when the prompt ended (generated tokens have positions >= it)
       seen           tokens seen so far (positions of new tokens derive from it, never from the slot count)
+      appended       tokens ever appended (never steps back; bounds how far any head's count can have grown)
       last_q_len     tokens appended by the latest update (tells prefill / decode / extend apart)
       stats          per-layer policy statistics, batch-first (e.g. ExpectedAttention's query moments)
       aux            derived read-side state (e.g. per-page key statistics); dropped on compaction
@@ -75,6 +76,7 @@ class KVPressLayer(CacheLayerMixin):
         self.aux: dict = {}
         self.stats: dict[str, torch.Tensor] = {}  # per-layer policy statistics, batch-first [B, ...]
         self.seen = 0
+        self.appended = 0  # tokens ever appended (never steps back, unlike seen): bounds how much a head grew
         self.last_q_len = 0
         # [B] padding tokens each row has seen (None: none). Padding only ever comes before a row's first token
         # (left padding), so a slot's position minus it is the token's index in its own row (token_index).
@@ -142,6 +144,7 @@ class KVPressLayer(CacheLayerMixin):
         state = {name: torch.cat([s, s.new_zeros(batch, heads, q_len)], -1) for name, s in tail.state.items()}
         self.segments[-1] = Segment(tail.data.append(key_states, value_states), positions, valid, state)
         self.seen += q_len
+        self.appended += q_len
         self.last_q_len = q_len
         return self.tail.data.keys, self.tail.data.values
 
@@ -583,10 +586,15 @@ class KVPressLayer(CacheLayerMixin):
 
     def _flush_flat(self, residual: int, group: int, encode) -> None:
         """Flat layer: each head moves its oldest whole groups, keeping >= residual full-precision tokens."""
-        # counted before any copy: most decode steps move nothing (a head flushes once per `group` tokens)
+        # Most decode steps move nothing (a head flushes once per `group` tokens): after a count that finds nothing
+        # to move, nothing is counted again until enough tokens have arrived for the fullest head to fill a group.
+        key = ("no flat flush before", residual, group)
+        if key in self.aux and self.appended < self.aux[key].appended:
+            return
         full_precision = sum(s.counts() for s in self.segments if not s.low_bit)
         n_move = ((full_precision - residual).clamp(min=0) // group) * group  # [B, Hkv]
         if not bool((n_move > 0).any()):
+            self.aux[key] = _NoFlushBefore(self.appended + int((residual + group - full_precision).min()))
             return
         fp = self._flat_full_precision()
         grid, ok = fp.grid()
@@ -599,9 +607,17 @@ class KVPressLayer(CacheLayerMixin):
         codes = encode(fp.view(fp.data.keys)[:, :, :width], fp.view(fp.data.values)[:, :, :width], real)
         moved = Segment(codes, fp.view(fp.positions)[..., :width], real,
                         {n: fp.view(s)[..., :width] for n, s in fp.state.items()}).to_flat(0)
-        kept = fp.keep(*_rank_select(ok & ~move), 0)
         low_bit = self.low_bit
-        self.segments = [moved if low_bit is None else low_bit.cat_runs(moved), kept, self._empty_tail(kept)]
+        codes = moved if low_bit is None else low_bit.cat_runs(moved)
+        keep = ok & ~move
+        count = keep.sum(-1)
+        if int((count.max() - count).sum()) <= count.numel() * group:
+            # the heads' windows differ by under a group each (a padded batch: every head holds its residual plus
+            # under one group): one rectangle with that many fillers, read in place at every step
+            self.segments = [codes, _right_aligned(fp, keep)]
+        else:  # heads that kept very different counts (a ragged eviction): flat runs, no fillers
+            kept = fp.keep(*_rank_select(keep), 0)
+            self.segments = [codes, kept, self._empty_tail(kept)]
         self.compacted = True  # flat runs hold explicit positions, so the tail records its own from now on
         self.aux = {}
 
@@ -623,9 +639,11 @@ class KVPressLayer(CacheLayerMixin):
         tail = self.tail
         first, after = self.segments[0], list(zip(self.segments, self._offsets()))[1:]
         if (first.low_bit and first.flat and after and not any(s.low_bit for s, _ in after)
-                and batch * heads * sum(s.width for s, _ in after) <= GATHER_SLOTS):
-            # flat codes (a padded batch under KIVI / GEAR) and their short full-precision window behind them (flat
-            # runs and the newest tokens), the window gathered into one small rectangle: one kernel call
+                and (not any(s.flat for s, _ in after) or batch * heads * sum(s.width for s, _ in after)
+                     <= GATHER_SLOTS)):
+            # flat codes (a padded batch under KIVI / GEAR) and the full-precision window behind them (a flush
+            # leaves it one rectangle, read in place; flat runs left by an eviction are gathered into one small
+            # rectangle with it): one kernel call
             state = flat_lowbit_attention_state(queries, first.data, first.positions, first.lengths, state,
                                                 precision, tail=self._rectangle(after))
             return finish(state, queries)
@@ -659,9 +677,12 @@ class KVPressLayer(CacheLayerMixin):
 
     def _rectangle(self, segments) -> tuple | None:
         """(keys, values, positions, valid) [B, Hkv, n(, D)] of full-precision (segment, offset)s side by side in
-        their padded views (a flat segment's is a transient copy); None when they hold no slot."""
+        their padded views (a flat segment's is a transient copy; one rectangular segment's are its own tensors);
+        None when they hold no slot."""
         batch, heads = self._shape()
         parts = [s.padded(offset, batch, heads, self.device) for s, offset in segments if s.width]
+        if len(parts) == 1:
+            return parts[0]
         return tuple(torch.cat(tensors, 2) for tensors in zip(*parts)) if parts else None
 
     def attend(self, read: Read, base) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -842,6 +863,35 @@ def _cat_valid(a: Segment, b: Segment):
     batch, heads = a.data_shape()
     return torch.cat([a.view_valid(batch, heads, a.valid.device if a.valid is not None else b.valid.device),
                       b.view_valid(batch, heads, b.valid.device if b.valid is not None else a.valid.device)], -1)
+
+
+@dataclass
+class _NoFlushBefore:
+    """Derived state (layer.aux) of a flat flush: no head can fill a group to move before `layer.appended`
+    reaches this. An append adds at most one token per head per token appended; every other change (eviction,
+    rollback, forgetting observers) only removes tokens, or restructures the layer and drops aux."""
+
+    appended: int
+
+    def truncate(self, n: int) -> None:  # a rollback removes tokens: the bound stays safe
+        pass
+
+
+def _right_aligned(flat: Segment, keep: torch.Tensor) -> Segment:
+    """The slots of the flat segment's padded view where keep [B, H, W] as one rectangular segment whose rows
+    end together: each (row, head)'s kept slots, in order, at the right end, behind leading invalid fillers (as
+    a left-padded row). What a flat flush leaves in full precision when the heads' counts differ by under a
+    group each: the window is then read in place at every step instead of being gathered from runs."""
+    count = keep.sum(-1)
+    width = int(count.max()) if count.numel() else 0
+    order, _ = _rank_select(keep)
+    rank = torch.arange(width, device=keep.device) - (width - count)[..., None]
+    real = rank >= 0
+    slots = flat.grid()[0].gather(-1, order.gather(-1, rank.clamp(min=0)))  # [B, H, width] into the store
+    data = FullPrecision(take_slots(flat.data.keys, slots[None, None].flatten(2)).view(*slots.shape, -1),
+                         take_slots(flat.data.values, slots[None, None].flatten(2)).view(*slots.shape, -1))
+    return Segment(data, flat.positions[0, 0][slots],
+                   None if bool(real.all()) else real, {n: s[0, 0][slots] for n, s in flat.state.items()})
 
 
 def _rank_select(mask: torch.Tensor):

@@ -78,12 +78,13 @@ static void softmax_partial(float *p, int64_t rows, int64_t n, float *m_out, flo
 }
 
 /* The full-precision rectangle after the codes (the layer's newest tokens) of head h, read in the same call:
- * keys/values [BH, n, D], query rows [BH, R, D], allowed [BH, R, n] or NULL. */
+ * keys/values [BH, stride, D] of which each head's first n slots are read (stride >= n: the filled prefix of a
+ * buffer with spare room is read in place), query rows [BH, R, D], allowed [BH, R, n] or NULL. */
 static void tail_split(const float *query, const float *keys, const float *values, const uint8_t *allowed,
-                       float scaling, float *m_out, float *l_out, float *acc_out, int64_t n, int64_t dim,
-                       int64_t rows, int64_t h, float *p) {
+                       float scaling, float *m_out, float *l_out, float *acc_out, int64_t n, int64_t stride,
+                       int64_t dim, int64_t rows, int64_t h, float *p) {
     for (int64_t t = 0; t < n; ++t) {
-        const float *k = keys + (h * n + t) * dim;
+        const float *k = keys + (h * stride + t) * dim;
         for (int64_t r = 0; r < rows; ++r) {
             const float *q = query + (h * rows + r) * dim;
             float dot = 0.0f;
@@ -95,7 +96,7 @@ static void tail_split(const float *query, const float *keys, const float *value
     softmax_partial(p, rows, n, m_out, l_out);
     memset(acc_out, 0, sizeof(float) * rows * dim);
     for (int64_t t = 0; t < n; ++t) {
-        const float *v = values + (h * n + t) * dim;
+        const float *v = values + (h * stride + t) * dim;
         for (int64_t r = 0; r < rows; ++r) {
             const float weight = p[r * n + t];
             float *o = acc_out + r * dim;
@@ -216,7 +217,7 @@ static void one_split(const uint8_t *k_codes, const _Float16 *k_scale, const _Fl
 }
 
 /* m/l [BH, S + 1, R], acc [BH, S + 1, R, D]: the partials of `splits` consecutive slot ranges of each head's
- * codes, then of its full-precision tail (n_tail slots; with none, an empty partial). run_start / run_length
+ * codes, then of its full-precision tail (n_tail slots of tail_stride per head; with none, an empty partial). run_start / run_length
  * [BH] (NULL: rectangular codes [BH, length]): flat codes, one store of `length` slots in which head h's slots
  * are run_length[h] slots from run_start[h], its allowed columns [R, allowed_width] counted from there. k_group
  * (NULL: slot / group) gives each slot's key group. Returns 0, or -1 when a work buffer could not be allocated. */
@@ -226,7 +227,8 @@ int lowbit_attention(const uint8_t *k_codes, const _Float16 *k_scale, const _Flo
                      float *acc_out, int64_t heads, int64_t length, int64_t dim, int64_t rows, int64_t group,
                      int64_t n_chan, int bits, int64_t splits, int threads, const int64_t *run_start,
                      const int64_t *run_length, int64_t allowed_width, const float *tail_keys,
-                     const float *tail_values, const uint8_t *tail_allowed, int64_t n_tail, const gear_terms *gear) {
+                     const float *tail_values, const uint8_t *tail_allowed, int64_t n_tail, int64_t tail_stride,
+                     const gear_terms *gear) {
     const int64_t items = heads * (splits + 1);
     const int64_t extra = gear ? gear->n_chunks * gear->rank : 0;
     int failed = 0;
@@ -258,7 +260,7 @@ int lowbit_attention(const uint8_t *k_codes, const _Float16 *k_scale, const _Flo
                       rows, group, n_chan, bits, at, gear, p);
         else
             tail_split(query, tail_keys, tail_values, tail_allowed, scaling, m_out + item * rows,
-                       l_out + item * rows, acc_out + item * rows * dim, n_tail, dim, rows, h, p);
+                       l_out + item * rows, acc_out + item * rows * dim, n_tail, tail_stride, dim, rows, h, p);
         free(p);
     }
     return failed ? -1 : 0;

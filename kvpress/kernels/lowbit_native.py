@@ -63,7 +63,7 @@ def _build() -> ctypes.CDLL:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     library.lowbit_attention.argtypes = ([ptr] * 4 + [i64] + [ptr] * 5 + [ctypes.c_float] + [ptr] * 3 + [i64] * 6
                                          + [ctypes.c_int, i64, ctypes.c_int] + [ptr] * 2 + [i64] + [ptr] * 3
-                                         + [i64, ptr])
+                                         + [i64, i64, ptr])
     library.lowbit_attention.restype = ctypes.c_int
     return library
 
@@ -127,10 +127,26 @@ def flat_lowbit_attention_state_native(queries: Queries, codes: LowBitCodes, pos
 
 
 def _tail_arrays(queries: Queries, tail: tuple | None, group: int) -> tuple | None:
-    """(keys, values fp32 [B, Hkv, n, D], allowed) of a full-precision rectangle read in the kernel's call."""
+    """(keys, values fp32 [B, Hkv, n, D], allowed, slots per head in keys'/values' storage) of a full-precision
+    rectangle read in the kernel's call. The filled prefix of a buffer with spare room (a layer's tail) is read
+    in place, not copied."""
     if tail is None:
         return None
-    return tail[0].float().contiguous(), tail[1].float().contiguous(), _allowed(queries, tail[2], tail[3], group)
+    keys, values = _rows_in_place(tail[0].float()), _rows_in_place(tail[1].float())
+    if keys.stride() != values.stride():
+        keys, values = keys.contiguous(), values.contiguous()
+    return keys, values, _allowed(queries, tail[2], tail[3], group), keys.stride(1) // max(keys.shape[-1], 1)
+
+
+def _rows_in_place(t: torch.Tensor) -> torch.Tensor:
+    """t [B, H, n, D] itself when its storage is [B, H, S >= n, D] in that order (a prefix of slots), else a
+    contiguous copy."""
+    batch, heads, n, dim = t.shape
+    slots = t.stride(1) // dim if dim else n
+    if t.stride(3) == 1 and t.stride(2) == dim and t.stride(1) == slots * dim and slots >= n \
+            and (batch == 1 or t.stride(0) == heads * slots * dim):
+        return t
+    return t.contiguous()
 
 
 def _run(queries: Queries, codes: LowBitCodes, batch: int, hkv: int, allowed, allowed_width: int,
@@ -144,7 +160,7 @@ def _run(queries: Queries, codes: LowBitCodes, batch: int, hkv: int, allowed, al
     scales = [t.contiguous() for t in (codes.k_scale, codes.k_min, codes.v_scale, codes.v_min)]  # fp16
     k_codes, v_codes = codes.k_codes.contiguous(), codes.v_codes.contiguous()
     k_group = None if codes.k_group is None else codes.k_group.to(torch.int32).contiguous()
-    tail_keys, tail_values, tail_allowed = tail or (None, None, None)
+    tail_keys, tail_values, tail_allowed, tail_stride = tail or (None, None, None, 0)
     n_tail = 0 if tail_keys is None else tail_keys.shape[2]
     gear, keep = _gear_terms(codes, qr, heads, runs)
     threads = torch.get_num_threads()
@@ -158,7 +174,7 @@ def _run(queries: Queries, codes: LowBitCodes, batch: int, hkv: int, allowed, al
         v_codes.data_ptr(), scales[2].data_ptr(), scales[3].data_ptr(), qr.data_ptr(), _pointer(allowed),
         float(queries.scaling), m.data_ptr(), l.data_ptr(), acc.data_ptr(), heads, codes.num_slots, dim, n_rows,
         codes.group_size, codes.v_scale.shape[-1], codes.bits, splits, threads, _pointer(starts), _pointer(lengths),
-        allowed_width, _pointer(tail_keys), _pointer(tail_values), _pointer(tail_allowed), n_tail,
+        allowed_width, _pointer(tail_keys), _pointer(tail_values), _pointer(tail_allowed), n_tail, tail_stride,
         None if gear is None else ctypes.byref(gear))
     del keep  # the tensors behind gear's pointers lived through the call
     if failed:
