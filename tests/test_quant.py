@@ -285,6 +285,30 @@ def test_cpu_kernel_reads_flat_runs_and_gathered_codes(codec, rows):
                                atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("codec", ["kivi", "gear"])
+@pytest.mark.parametrize("dim, bits", [(64, 2), (64, 4), (128, 2), (128, 4), (64, 8)])
+def test_cpu_kernel_specialised_head_dims(codec, dim, bits):
+    """lowbit_cpu.c compiles one copy of its split per common (head_dim, bits) (64/128 x 2/4 bits), besides the
+    generic one: each equals attention over the dequantized tokens, for a padded batch with several query
+    rows (a mask) and for one decode row over real slots (no mask)."""
+    from kvpress.kernels import lowbit_native
+
+    torch.manual_seed(dim + bits)
+    B, HKV, G, T, group = 2, 2, 3, 96, 32
+    k, v = torch.randn(B, HKV, T, dim) + torch.randn(dim), torch.randn(B, HKV, T, dim)
+    for rows, pad in ((3, 7), (1, 0)):
+        valid = (torch.arange(T) >= torch.tensor([0, pad])[:, None, None]).expand(B, HKV, T).contiguous()
+        codes = encode_kivi(k, v, valid, bits, group) if codec == "kivi" else encode_gear(
+            k, v, valid, bits, group, rank=2, outlier_ratio=0.05, power_iters=2)
+        q, qpos = torch.randn(B, HKV * G, rows, dim), torch.arange(T - rows, T)
+        queries = Queries(q, qpos, dim ** -0.5)
+        positions = torch.arange(T, dtype=torch.int32).expand(B, HKV, T)
+        assert lowbit_native.supports(queries, codes)
+        native = lowbit_native.lowbit_attention_state_native(queries, codes, positions, valid if pad else None)
+        torch.testing.assert_close(finish(native, queries), _attention_over(codes, positions, valid, q, qpos),
+                                   atol=1e-5, rtol=1e-5)
+
+
 def test_cpu_kernel_without_a_compiler_falls_back_to_torch_with_a_warning(monkeypatch, tmp_path):
     from kvpress.kernels import lowbit_native
 

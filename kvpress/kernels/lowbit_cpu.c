@@ -113,7 +113,7 @@ typedef struct {
     int64_t e0, e1; /* GEAR: the key outlier entries to look through (a flat store's are in no per-head order) */
 } span;
 
-static void one_split(const uint8_t *k_codes, const _Float16 *k_scale, const _Float16 *k_min, const int32_t *k_group,
+static inline __attribute__((always_inline)) void one_split(const uint8_t *k_codes, const _Float16 *k_scale, const _Float16 *k_min, const int32_t *k_group,
                       const uint8_t *v_codes, const _Float16 *v_scale, const _Float16 *v_min, const float *query,
                       const uint8_t *allowed, float scaling, float *m_out, float *l_out, float *acc_out,
                       int64_t length, int64_t n_groups, int64_t dim, int64_t rows, int64_t group, int64_t n_chan,
@@ -254,10 +254,20 @@ int lowbit_attention(const uint8_t *k_codes, const _Float16 *k_scale, const _Flo
             failed = 1;
             continue;
         }
-        if (s < splits)
-            one_split(k_codes, k_scale, k_min, k_group, v_codes, v_scale, v_min, query, allowed, scaling,
-                      m_out + item * rows, l_out + item * rows, acc_out + item * rows * dim, length, n_groups, dim,
-                      rows, group, n_chan, bits, at, gear, p);
+        if (s < splits) {
+            /* one copy of the split per common (head_dim, bits), each with its loops' bounds known to the
+             * compiler (fully unrolled and vectorised), and a generic one */
+#define SPLIT(DIM, BITS)                                                                                       \
+    one_split(k_codes, k_scale, k_min, k_group, v_codes, v_scale, v_min, query, allowed, scaling,               \
+              m_out + item * rows, l_out + item * rows, acc_out + item * rows * dim, length, n_groups, DIM, rows, \
+              group, n_chan, BITS, at, gear, p)
+            if (dim == 64 && bits == 4) SPLIT(64, 4);
+            else if (dim == 64 && bits == 2) SPLIT(64, 2);
+            else if (dim == 128 && bits == 4) SPLIT(128, 4);
+            else if (dim == 128 && bits == 2) SPLIT(128, 2);
+            else SPLIT(dim, bits);
+#undef SPLIT
+        }
         else
             tail_split(query, tail_keys, tail_values, tail_allowed, scaling, m_out + item * rows,
                        l_out + item * rows, acc_out + item * rows * dim, n_tail, tail_stride, dim, rows, h, p);
