@@ -20,11 +20,13 @@
 
 /* GEAR's terms on top of the codes (NULL for KIVI): a rank-r correction per slot (its row factor against its
  * encoded chunk's basis) and exact outliers (keys: sparse (slot, channel, value) entries, slot -1 once evicted;
- * values: n_v channels per slot), each replacing the approximation at its entry. */
+ * values: n_v channels per slot), each replacing the approximation at its entry. A split meets only its own
+ * chunks (a head's slots run through its chunks in order): the queries times each one's key basis are computed
+ * when it is met, and the values' low-rank part is summed per chunk met, so the work does not grow with the
+ * chunks of other heads (a flat store's chunk list holds every run's). */
 typedef struct {
     const _Float16 *k_lr, *v_lr;           /* [BH, T, rank] */
     const _Float16 *k_basis, *v_basis;     /* [BH, Nc, D, rank] */
-    const float *q_basis;                  /* [BH, Nc, R, rank]: the query rows times each chunk's key basis */
     const int32_t *chunk;                  /* [BH, T] */
     const int32_t *k_out_slot, *k_out_chan; /* [BH, n_k]; flat codes: [n_k], every run's entries */
     const _Float16 *k_out_val;             /* [BH, n_k] */
@@ -110,14 +112,15 @@ static void tail_split(const float *query, const float *keys, const float *value
  * head 0, the run's slots [t0, t1) of the store, allowed columns counted from the run's first slot a0. */
 typedef struct {
     int64_t dh, qh, t0, t1, a0, a_width;
-    int64_t e0, e1; /* GEAR: the key outlier entries to look through (a flat store's are in no per-head order) */
+    int64_t e0, e1; /* GEAR: the key outlier entries to look through: e0 <= e < e1 of `entries` (NULL: e itself) */
+    const int64_t *entries;
 } span;
 
 static inline __attribute__((always_inline)) void one_split(const uint8_t *k_codes, const _Float16 *k_scale, const _Float16 *k_min, const int32_t *k_group,
                       const uint8_t *v_codes, const _Float16 *v_scale, const _Float16 *v_min, const float *query,
                       const uint8_t *allowed, float scaling, float *m_out, float *l_out, float *acc_out,
                       int64_t length, int64_t n_groups, int64_t dim, int64_t rows, int64_t group, int64_t n_chan,
-                      int bits, span at, const gear_terms *gear, float *p) {
+                      int bits, span at, const gear_terms *gear, float *p, int64_t *met) {
     float code[MAX_DIM];
     const int64_t rank = gear ? gear->rank : 0, n_chunks = gear ? gear->n_chunks : 0;
     const int64_t row_bytes = dim * bits / 8, width = dim / n_chan;
@@ -125,6 +128,10 @@ static inline __attribute__((always_inline)) void one_split(const uint8_t *k_cod
     const int32_t *groups = k_group ? k_group + dh * length : NULL; /* NULL: slot / group */
     const uint8_t *allow = allowed ? allowed + qh * rows * at.a_width : NULL; /* [R, a_width] */
     float *w = p + rows * (n + n_chan), *b = w + rows * dim; /* one key group's [R, D] weights and [R] bias */
+    /* GEAR: the chunks met, in slot order ([n] at most), and per chunk met the query rows times its key basis
+     * ([n, R, rank]) and the probabilities times the slots' row factors ([n, R, rank]) */
+    float *q_basis = b + rows, *by_chunk = q_basis + n * rows * rank;
+    int64_t n_met = 0;
     /* logits of the split's slots, [R, n]: the queries take each key group's per-channel scale and mins, once
      * per run of consecutive slots of one group */
     int64_t current = -1;
@@ -144,13 +151,24 @@ static inline __attribute__((always_inline)) void one_split(const uint8_t *k_cod
             current = g;
         }
         unpack(k_codes + (dh * length + t) * row_bytes, bits, dim, code);
+        if (gear && (n_met == 0 || met[n_met - 1] != gear->chunk[dh * length + t])) {
+            const int64_t c = gear->chunk[dh * length + t];
+            const _Float16 *basis = gear->k_basis + (dh * n_chunks + c) * dim * rank; /* [D, rank] */
+            float *qb = q_basis + n_met * rows * rank;
+            memset(qb, 0, sizeof(float) * rows * rank);
+            for (int64_t r = 0; r < rows; ++r)
+                for (int64_t d = 0; d < dim; ++d) {
+                    const float qd = query[(qh * rows + r) * dim + d];
+                    for (int64_t k = 0; k < rank; ++k) qb[r * rank + k] += qd * (float)basis[d * rank + k];
+                }
+            met[n_met++] = c;
+        }
         for (int64_t r = 0; r < rows; ++r) {
             const float *wr = w + r * dim;
             float dot = 0.0f;
             for (int64_t d = 0; d < dim; ++d) dot += wr[d] * code[d];
             if (gear) {
-                const int64_t c = gear->chunk[dh * length + t];
-                const float *qb = gear->q_basis + ((dh * n_chunks + c) * rows + r) * rank;
+                const float *qb = q_basis + ((n_met - 1) * rows + r) * rank;
                 const _Float16 *lr = gear->k_lr + (dh * length + t) * rank;
                 for (int64_t k = 0; k < rank; ++k) dot += (float)lr[k] * qb[k];
             }
@@ -159,7 +177,8 @@ static inline __attribute__((always_inline)) void one_split(const uint8_t *k_cod
         }
     }
     if (gear) /* each key outlier of this head in this split: its exact value instead of the approximation */
-        for (int64_t e = at.e0; e < at.e1; ++e) {
+        for (int64_t i = at.e0; i < at.e1; ++i) {
+            const int64_t e = at.entries ? at.entries[i] : i;
             const int64_t slot = gear->k_out_slot[e], chan = gear->k_out_chan[e];
             if (slot < t0 || slot >= t1) continue;
             const int per_byte = 8 / bits;
@@ -177,13 +196,14 @@ static inline __attribute__((always_inline)) void one_split(const uint8_t *k_cod
     softmax_partial(p, rows, n, m_out, l_out);
     /* values under the probabilities; the mins' part per channel group, spread over its channels at the end */
     float *low = p + rows * n;  /* [R, C] */
-    float *by_chunk = b + rows;  /* GEAR: [R, Nc, rank], the probabilities times the slots' row factors */
     memset(acc_out, 0, sizeof(float) * rows * dim);
     memset(low, 0, sizeof(float) * rows * n_chan);
-    memset(by_chunk, 0, sizeof(float) * rows * n_chunks * rank);
+    memset(by_chunk, 0, sizeof(float) * n_met * rows * rank);
+    int64_t at_chunk = -1; /* which chunk met the slot belongs to (the same walk through the slots) */
     for (int64_t t = t0; t < t1; ++t) {
         unpack(v_codes + (dh * length + t) * row_bytes, bits, dim, code);
         const _Float16 *sc = v_scale + (dh * length + t) * n_chan, *mn = v_min + (dh * length + t) * n_chan;
+        if (gear && (at_chunk < 0 || met[at_chunk] != gear->chunk[dh * length + t])) ++at_chunk;
         for (int64_t r = 0; r < rows; ++r) {
             const float weight = p[r * n + (t - t0)];
             if (weight == 0.0f) continue;
@@ -196,7 +216,8 @@ static inline __attribute__((always_inline)) void one_split(const uint8_t *k_cod
             if (gear) {
                 const int64_t c = gear->chunk[dh * length + t];
                 const _Float16 *lr = gear->v_lr + (dh * length + t) * rank;
-                for (int64_t k = 0; k < rank; ++k) by_chunk[(r * n_chunks + c) * rank + k] += weight * (float)lr[k];
+                float *mine = by_chunk + (at_chunk * rows + r) * rank;
+                for (int64_t k = 0; k < rank; ++k) mine[k] += weight * (float)lr[k];
                 for (int64_t e = 0; e < gear->n_v; ++e) { /* value outliers: exact instead of approximated */
                     const int64_t at_v = (dh * length + t) * gear->n_v + e, d = gear->v_out_idx[at_v];
                     const float approx = code[d] * (float)sc[d / width] + (float)mn[d / width]
@@ -209,9 +230,9 @@ static inline __attribute__((always_inline)) void one_split(const uint8_t *k_cod
     for (int64_t r = 0; r < rows; ++r)
         for (int64_t d = 0; d < dim; ++d) {
             float sum = low[r * n_chan + d / width];
-            for (int64_t c = 0; c < n_chunks; ++c)
-                sum += low_rank_f(by_chunk + (r * n_chunks + c) * rank,
-                                  gear->v_basis + ((dh * n_chunks + c) * dim + d) * rank, rank);
+            for (int64_t i = 0; i < n_met; ++i)
+                sum += low_rank_f(by_chunk + (i * rows + r) * rank,
+                                  gear->v_basis + ((dh * n_chunks + met[i]) * dim + d) * rank, rank);
             acc_out[r * dim + d] += sum;
         }
 }
@@ -230,8 +251,35 @@ int lowbit_attention(const uint8_t *k_codes, const _Float16 *k_scale, const _Flo
                      const float *tail_values, const uint8_t *tail_allowed, int64_t n_tail, int64_t tail_stride,
                      const gear_terms *gear) {
     const int64_t items = heads * (splits + 1);
-    const int64_t extra = gear ? gear->n_chunks * gear->rank : 0;
+    const int64_t rank = gear ? gear->rank : 0, n_k = gear ? gear->n_k : 0;
     int failed = 0;
+    /* A flat store's key outliers come in flush order: list them run by run once (entries of run h are
+     * entries[first[h]] .. entries[first[h + 1] - 1]), so each work item looks only through its own run's. */
+    int64_t *entries = NULL, *first = NULL;
+    if (run_start && n_k) {
+        entries = malloc(sizeof(int64_t) * n_k);
+        first = calloc(heads + 2, sizeof(int64_t));
+        int64_t *owner = malloc(sizeof(int64_t) * n_k);
+        if (entries == NULL || first == NULL || owner == NULL) {
+            free(entries), free(first), free(owner);
+            return -1;
+        }
+        for (int64_t e = 0; e < n_k; ++e) { /* the run holding the entry's slot: the last one starting at or before it */
+            const int64_t slot = gear->k_out_slot[e];
+            int64_t lo = 0, hi = heads - 1;
+            while (lo < hi) {
+                const int64_t mid = (lo + hi + 1) / 2;
+                if (run_start[mid] <= slot) lo = mid;
+                else hi = mid - 1;
+            }
+            owner[e] = slot < 0 || heads == 0 || slot >= run_start[lo] + run_length[lo] ? -1 : lo;
+            if (owner[e] >= 0) ++first[owner[e] + 2];
+        }
+        for (int64_t h = 0; h < heads; ++h) first[h + 2] += first[h + 1];
+        for (int64_t e = 0; e < n_k; ++e) /* counting sort; first[h + 1] ends as the end of run h's entries */
+            if (owner[e] >= 0) entries[first[owner[e] + 1]++] = e;
+        free(owner);
+    }
     /* every head's code splits first, then the (short) tails, handed out one at a time: threads stay balanced */
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1) reduction(| : failed)
     for (int64_t order = 0; order < items; ++order) {
@@ -243,14 +291,16 @@ int lowbit_attention(const uint8_t *k_codes, const _Float16 *k_scale, const _Flo
         const int64_t per_split = (((count + group - 1) / group + splits - 1) / splits) * group;
         const int64_t lo = s * per_split < count ? s * per_split : count;
         const int64_t hi = lo + per_split < count ? lo + per_split : count;
-        const int64_t n_k = gear ? gear->n_k : 0;
         const span at = {run_start ? 0 : h, h, start + lo, start + hi, start, run_start ? allowed_width : length,
-                         run_start ? 0 : h * n_k, run_start ? n_k : (h + 1) * n_k};
+                         entries ? first[h] : h * n_k, entries ? first[h + 1] : (h + 1) * n_k, entries};
         const int64_t n = s < splits ? hi - lo : n_tail;
-        /* probabilities [R, n], the values' mins [R, C], a key group's weights [R, D] and bias [R], GEAR's
-         * per-chunk sums [R, Nc, rank] */
-        float *p = malloc(sizeof(float) * rows * (n + n_chan + dim + 1 + extra));
-        if (p == NULL) {
+        /* probabilities [R, n], the values' mins [R, C], a key group's weights [R, D] and bias [R]; GEAR: two
+         * [n, R, rank] arrays, and the chunks met [n] */
+        float *p = malloc(sizeof(float) * rows * (n + n_chan + dim + 1 + 2 * n * rank));
+        int64_t *met = rank ? malloc(sizeof(int64_t) * (n + 1)) : NULL;
+        if (p == NULL || (rank && met == NULL)) {
+            free(p);
+            free(met);
             failed = 1;
             continue;
         }
@@ -260,7 +310,7 @@ int lowbit_attention(const uint8_t *k_codes, const _Float16 *k_scale, const _Flo
 #define SPLIT(DIM, BITS)                                                                                       \
     one_split(k_codes, k_scale, k_min, k_group, v_codes, v_scale, v_min, query, allowed, scaling,               \
               m_out + item * rows, l_out + item * rows, acc_out + item * rows * dim, length, n_groups, DIM, rows, \
-              group, n_chan, BITS, at, gear, p)
+              group, n_chan, BITS, at, gear, p, met)
             if (dim == 64 && bits == 4) SPLIT(64, 4);
             else if (dim == 64 && bits == 2) SPLIT(64, 2);
             else if (dim == 128 && bits == 4) SPLIT(128, 4);
@@ -272,6 +322,9 @@ int lowbit_attention(const uint8_t *k_codes, const _Float16 *k_scale, const _Flo
             tail_split(query, tail_keys, tail_values, tail_allowed, scaling, m_out + item * rows,
                        l_out + item * rows, acc_out + item * rows * dim, n_tail, tail_stride, dim, rows, h, p);
         free(p);
+        free(met);
     }
+    free(entries);
+    free(first);
     return failed ? -1 : 0;
 }

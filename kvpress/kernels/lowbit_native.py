@@ -37,7 +37,7 @@ _library: ctypes.CDLL | None | bool = False  # False: not tried yet
 class _GearTerms(ctypes.Structure):
     """lowbit_cpu.c's gear_terms."""
 
-    _fields_ = [(name, ctypes.c_void_p) for name in ("k_lr", "v_lr", "k_basis", "v_basis", "q_basis", "chunk",
+    _fields_ = [(name, ctypes.c_void_p) for name in ("k_lr", "v_lr", "k_basis", "v_basis", "chunk",
                                                      "k_out_slot", "k_out_chan", "k_out_val", "v_out_idx",
                                                      "v_out_val")] + \
         [(name, ctypes.c_int64) for name in ("rank", "n_chunks", "n_k", "n_v")]
@@ -162,7 +162,7 @@ def _run(queries: Queries, codes: LowBitCodes, batch: int, hkv: int, allowed, al
     k_group = None if codes.k_group is None else codes.k_group.to(torch.int32).contiguous()
     tail_keys, tail_values, tail_allowed, tail_stride = tail or (None, None, None, 0)
     n_tail = 0 if tail_keys is None else tail_keys.shape[2]
-    gear, keep = _gear_terms(codes, qr, heads, runs)
+    gear, keep = _gear_terms(codes)
     threads = torch.get_num_threads()
     per_head = codes.num_slots if runs is None else codes.num_slots // max(heads, 1)
     splits = max(1, min(-(-2 * threads // heads), per_head // MIN_SPLIT))
@@ -182,21 +182,13 @@ def _run(queries: Queries, codes: LowBitCodes, batch: int, hkv: int, allowed, al
     return merge_splits(m, l, acc, (batch, hkv, group, rows), dim)
 
 
-def _gear_terms(codes: LowBitCodes, qr: torch.Tensor, heads: int, runs: tuple | None):
+def _gear_terms(codes: LowBitCodes):
     """(gear_terms, the tensors its pointers point into) for GEAR codes; (None, ()) for KIVI's. Flat codes hold
-    every run's chunks and key outliers in one list each, in no per-run order (flushes append theirs): each chunk
-    is read with the queries of the run whose slots it encodes, and each run looks through every outlier."""
+    every run's chunks and key outliers in one list each, in no per-run order (flushes append theirs): the kernel
+    reads each chunk a run's slots point at, and each run looks through every outlier."""
     if codes.k_lr is None:
         return None, ()
-    basis = codes.k_basis.float()
-    if runs is None:  # rectangular: [B, H, Nc, D, r]
-        q_basis = qr[:, :, None] @ basis  # [B, H, Nc, R, r]
-    else:  # flat: one data head of Nc chunks
-        owner = torch.zeros(basis.shape[2], dtype=torch.long)  # a chunk left with no slot is never read
-        owner[codes.chunk[0, 0].long()] = torch.repeat_interleave(torch.arange(heads), runs[1])
-        q_basis = qr.reshape(heads, *qr.shape[2:])[owner] @ basis[0, 0]  # [Nc, R, r]
-    q_basis = q_basis.contiguous()
-    tensors = dict(k_lr=codes.k_lr, v_lr=codes.v_lr, k_basis=codes.k_basis, v_basis=codes.v_basis, q_basis=q_basis,
+    tensors = dict(k_lr=codes.k_lr, v_lr=codes.v_lr, k_basis=codes.k_basis, v_basis=codes.v_basis,
                    chunk=codes.chunk.to(torch.int32), k_out_slot=codes.k_out_slot.to(torch.int32),
                    k_out_chan=codes.k_out_chan.to(torch.int32), k_out_val=codes.k_out_val,
                    v_out_idx=codes.v_out_idx.to(torch.int32), v_out_val=codes.v_out_val)
