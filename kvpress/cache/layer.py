@@ -596,6 +596,8 @@ class KVPressLayer(CacheLayerMixin):
         if not bool((n_move > 0).any()):
             self.aux[key] = _NoFlushBefore(self.appended + int((residual + group - full_precision).min()))
             return
+        if self._flush_right_aligned_tail(full_precision, n_move, group, encode):
+            return
         fp = self._flat_full_precision()
         grid, ok = fp.grid()
         rank = torch.arange(grid.shape[-1], device=grid.device)
@@ -620,6 +622,40 @@ class KVPressLayer(CacheLayerMixin):
             self.segments = [codes, kept, self._empty_tail(kept)]
         self.compacted = True  # flat runs hold explicit positions, so the tail records its own from now on
         self.aux = {}
+
+    def _flush_right_aligned_tail(self, counts: torch.Tensor, n_move: torch.Tensor, group: int, encode) -> bool:
+        """_flush_flat's steady state, [flat codes, a tail whose real slots end every head (leading fillers)], as
+        a previous flush left it: each head's oldest tokens are the tail's first real slots, so the moved tokens
+        are gathered straight from the tail, and what stays is the tail's last slots (a copy, no gather). The same
+        codes and the same tokens kept as the general path. False, changing nothing, for any other layout."""
+        if len(self.segments) != 2 or not self.segments[0].low_bit or not self.segments[0].flat or self.tail.flat:
+            return False
+        tail = self.tail
+        total = tail.num_slots
+        slots = torch.arange(total, device=counts.device)
+        lead = total - counts
+        if tail.valid is None and bool((lead != 0).any()) or tail.valid is not None and not torch.equal(
+                tail.valid, slots >= lead[..., None]):
+            return False
+        kept = counts - n_move
+        keep_width = int(kept.max())
+        if int((keep_width - kept).sum()) > kept.numel() * group:
+            return False
+        width = int(n_move.max())
+        rank = slots[:width]
+        at = (lead[..., None] + rank).clamp(max=max(total - 1, 0))  # [B, H, width]: the oldest real slots
+        real = rank < n_move[..., None]
+        codes = encode(take_slots(tail.data.keys, at), take_slots(tail.data.values, at), real)
+        moved = Segment(codes, tail.view_positions(0, *self._shape(), self.device).gather(-1, at), real,
+                        {n: s.gather(-1, at) for n, s in tail.state.items()}).to_flat(0)
+        stay = slice(total - keep_width, total)
+        valid = slots[stay] >= (lead + n_move)[..., None]
+        self.segments = [self.segments[0].cat_runs(moved), Segment(
+            FullPrecision(tail.data.keys[:, :, stay].clone(), tail.data.values[:, :, stay].clone()),
+            tail.view_positions(0, *self._shape(), self.device)[..., stay].clone(),
+            None if bool(valid.all()) else valid, {n: s[..., stay].clone() for n, s in tail.state.items()})]
+        self.aux = {}
+        return True
 
     def _flat_full_precision(self, names=()) -> Segment:
         """Every full-precision token of this layer as one flat segment (with per-slot state `names` at least)."""
