@@ -315,12 +315,14 @@ class Segment:
 def _interleave(a: torch.Tensor, b: torch.Tensor, n_a: int) -> torch.Tensor:
     """[1, 1, N] order into cat(store_a, store_b) that puts, for each (row, head), its run of a then its run of b."""
     la, lb = a.flatten(), b.flatten()
-    starts_a, starts_b = la.cumsum(0) - la, lb.cumsum(0) - lb
-    runs = torch.stack([la, lb], 1).flatten()  # a0 b0 a1 b1 ...
-    first = torch.stack([starts_a, starts_b + n_a], 1).flatten()
-    owner = torch.repeat_interleave(torch.arange(runs.numel(), device=a.device), runs)
-    rank = torch.arange(owner.numel(), device=a.device) - (runs.cumsum(0) - runs)[owner]
-    return (first[owner] + rank)[None, None]
+    ends_a, ends_b = la.cumsum(0), lb.cumsum(0)
+    # merged slot k comes from slot k + shift of its block: run i's a-block moves right by the b-slots of runs
+    # before it, its b-block (from n_a on in the concatenation) left by the a-slots of runs after it
+    shift = torch.stack([lb - ends_b, n_a - ends_a], 1).flatten()  # a0 b0 a1 b1 ...
+    blocks = torch.stack([la, lb], 1).flatten()
+    total = int(ends_a[-1] + ends_b[-1]) if la.numel() else 0
+    order = torch.arange(total, device=a.device) + torch.repeat_interleave(shift, blocks, output_size=total)
+    return order[None, None]
 
 
 def dense(keys: torch.Tensor, values: torch.Tensor) -> Segment:
