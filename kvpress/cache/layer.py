@@ -41,7 +41,8 @@ class KVPressLayer(CacheLayerMixin):
 
       [low-bit codes]?  [flat full precision]?  tail
     tail      rectangular full precision [B, Hkv, T, D]: where new tokens are appended (in place, with spare room,
-              for one-token appends), and the only part `crop` rolls back
+              for one-token appends), and the only part `crop` rolls back; behind flat codes, the window a flat
+              flush left, its heads' tokens ending together behind leading invalid fillers
     flat      the kept tokens of a layer whose heads keep different numbers of tokens: no padding, so freed bytes
               equal removed tokens
     low-bit   KIVI/GEAR codes of the oldest slots: rectangular, or flat (per-head runs) in a flat layer
