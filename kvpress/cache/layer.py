@@ -421,8 +421,8 @@ class KVPressLayer(CacheLayerMixin):
             raise ValueError(f"keep: indices must be [B={batch}, Hkv={heads}, T'], got {tuple(indices.shape)}")
         if self.sorted:
             indices, order = indices.sort(dim=-1)  # slot order is position order
-        else:  # one rectangle whose slots were replaced in place: put them back in position order
-            order = self.key_positions().gather(-1, indices).argsort(dim=-1, stable=True)
+        else:  # a tail whose slots were replaced in place: put them back in position order
+            order = self._position_order().gather(-1, indices).argsort(dim=-1, stable=True)
             indices = indices.gather(-1, order)
         if keep_valid is not None:
             keep_valid = keep_valid.gather(-1, order)
@@ -485,8 +485,17 @@ class KVPressLayer(CacheLayerMixin):
         """Put every head's slots back in position order (one copy), if an in-place eviction mixed them."""
         if not self.sorted:
             valid = self.key_valid()
-            order = self.key_positions().argsort(dim=-1, stable=True)
+            order = self._position_order().argsort(dim=-1, stable=True)
             self.keep(order, valid.gather(-1, order))
+
+    def _position_order(self) -> torch.Tensor:
+        """[B, Hkv, T] keys whose order is position order: in-place eviction mixes only the tail, so every slot
+        before it keeps its place, and the tail's slots rank by position, its fillers first (where a flush's
+        window and left padding hold them)."""
+        start = self.tail_start()
+        tail = self.key_positions(start).long().masked_fill(~self.key_valid(start), -1)
+        before = torch.arange(start, device=tail.device) - start - 1  # below every tail key, in slot order
+        return torch.cat([before.expand(*tail.shape[:2], start), tail], -1)
 
     def replace_newest(self, victims: torch.Tensor) -> bool:
         """Evict one slot per (row, KV head) without copying the layer: the newest slot (the tail's last, just
@@ -597,7 +606,7 @@ class KVPressLayer(CacheLayerMixin):
         if not bool((n_move > 0).any()):
             self.aux[key] = _NoFlushBefore(self.appended + int((residual + group - full_precision).min()))
             return
-        if self._flush_right_aligned_tail(full_precision, n_move, group, encode):
+        if self._flush_right_aligned_tail(full_precision, n_move, encode):
             return
         fp = self._flat_full_precision()
         grid, ok = fp.grid()
@@ -613,18 +622,17 @@ class KVPressLayer(CacheLayerMixin):
         low_bit = self.low_bit
         codes = moved if low_bit is None else low_bit.cat_runs(moved)
         keep = ok & ~move
-        count = keep.sum(-1)
-        if int((count.max() - count).sum()) <= count.numel() * group:
-            # the heads' windows differ by under a group each (a padded batch: every head holds its residual plus
-            # under one group): one rectangle with that many fillers, read in place at every step
+        if _rows_differ_only(keep.sum(-1)):
+            # the heads of each row keep the same count (a padded batch: rows differ only by their phase in the
+            # group): the window as one rectangle with fillers, like left padding, read in place at every step
             self.segments = [codes, _right_aligned(fp, keep)]
-        else:  # heads that kept very different counts (a ragged eviction): flat runs, no fillers
+        else:  # heads of a row keep different counts (a ragged eviction): flat runs, no fillers
             kept = fp.keep(*_rank_select(keep), 0)
             self.segments = [codes, kept, self._empty_tail(kept)]
         self.compacted = True  # flat runs hold explicit positions, so the tail records its own from now on
         self.aux = {}
 
-    def _flush_right_aligned_tail(self, counts: torch.Tensor, n_move: torch.Tensor, group: int, encode) -> bool:
+    def _flush_right_aligned_tail(self, counts: torch.Tensor, n_move: torch.Tensor, encode) -> bool:
         """_flush_flat's steady state, [flat codes, a tail whose real slots end every head (leading fillers)], as
         a previous flush left it: each head's oldest tokens are the tail's first real slots, so the moved tokens
         are gathered straight from the tail, and what stays is the tail's last slots (a copy, no gather). The same
@@ -639,9 +647,9 @@ class KVPressLayer(CacheLayerMixin):
                 tail.valid, slots >= lead[..., None]):
             return False
         kept = counts - n_move
-        keep_width = int(kept.max())
-        if int((keep_width - kept).sum()) > kept.numel() * group:
+        if not _rows_differ_only(kept):
             return False
+        keep_width = int(kept.max())
         width = int(n_move.max())
         rank = slots[:width]
         at = (lead[..., None] + rank).clamp(max=max(total - 1, 0))  # [B, H, width]: the oldest real slots
@@ -651,9 +659,10 @@ class KVPressLayer(CacheLayerMixin):
                         {n: s.gather(-1, at) for n, s in tail.state.items()}).to_flat(0)
         stay = slice(total - keep_width, total)
         valid = slots[stay] >= (lead + n_move)[..., None]
+        positions = tail.view_positions(0, *self._shape(), self.device)[..., stay]
         self.segments = [self.segments[0].cat_runs(moved), Segment(
             FullPrecision(tail.data.keys[:, :, stay].clone(), tail.data.values[:, :, stay].clone()),
-            tail.view_positions(0, *self._shape(), self.device)[..., stay].clone(),
+            torch.where(valid, positions, 0),
             None if bool(valid.all()) else valid, {n: s[..., stay].clone() for n, s in tail.state.items()})]
         self.aux = {}
         return True
@@ -914,11 +923,16 @@ class _NoFlushBefore:
         pass
 
 
+def _rows_differ_only(counts: torch.Tensor) -> bool:
+    """Every row's heads hold the same count [B, Hkv] (rows may differ from each other, as left padding does)."""
+    return bool((counts == counts[:, :1]).all())
+
+
 def _right_aligned(flat: Segment, keep: torch.Tensor) -> Segment:
     """The slots of the flat segment's padded view where keep [B, H, W] as one rectangular segment whose rows
     end together: each (row, head)'s kept slots, in order, at the right end, behind leading invalid fillers (as
-    a left-padded row). What a flat flush leaves in full precision when the heads' counts differ by under a
-    group each: the window is then read in place at every step instead of being gathered from runs."""
+    a left-padded row; fillers sit at position 0). What a flat flush leaves in full precision when rows differ
+    only from each other: the window is then read in place at every step instead of being gathered from runs."""
     count = keep.sum(-1)
     width = int(count.max()) if count.numel() else 0
     order, _ = _rank_select(keep)
@@ -927,7 +941,7 @@ def _right_aligned(flat: Segment, keep: torch.Tensor) -> Segment:
     slots = flat.grid()[0].gather(-1, order.gather(-1, rank.clamp(min=0)))  # [B, H, width] into the store
     data = FullPrecision(take_slots(flat.data.keys, slots[None, None].flatten(2)).view(*slots.shape, -1),
                          take_slots(flat.data.values, slots[None, None].flatten(2)).view(*slots.shape, -1))
-    return Segment(data, flat.positions[0, 0][slots],
+    return Segment(data, torch.where(real, flat.positions[0, 0][slots], 0),
                    None if bool(real.all()) else real, {n: s[0, 0][slots] for n, s in flat.state.items()})
 
 
