@@ -643,8 +643,9 @@ class KVPressLayer(CacheLayerMixin):
         total = tail.num_slots
         slots = torch.arange(total, device=counts.device)
         lead = total - counts
-        if tail.valid is None and bool((lead != 0).any()) or tail.valid is not None and not torch.equal(
-                tail.valid, slots >= lead[..., None]):
+        leading_fillers_only = (not bool((lead != 0).any())) if tail.valid is None else torch.equal(
+            tail.valid, slots >= lead[..., None])
+        if not leading_fillers_only:
             return False
         kept = counts - n_move
         if not _rows_differ_only(kept):
