@@ -655,15 +655,15 @@ class KVPressLayer(CacheLayerMixin):
         rank = slots[:width]
         at = (lead[..., None] + rank).clamp(max=max(total - 1, 0))  # [B, H, width]: the oldest real slots
         real = rank < n_move[..., None]
+        positions = tail.view_positions(0, *self._shape(), self.device)
         codes = encode(take_slots(tail.data.keys, at), take_slots(tail.data.values, at), real)
-        moved = Segment(codes, tail.view_positions(0, *self._shape(), self.device).gather(-1, at), real,
+        moved = Segment(codes, positions.gather(-1, at), real,
                         {n: s.gather(-1, at) for n, s in tail.state.items()}).to_flat(0)
         stay = slice(total - keep_width, total)
         valid = slots[stay] >= (lead + n_move)[..., None]
-        positions = tail.view_positions(0, *self._shape(), self.device)[..., stay]
         self.segments = [self.segments[0].cat_runs(moved), Segment(
             FullPrecision(tail.data.keys[:, :, stay].clone(), tail.data.values[:, :, stay].clone()),
-            torch.where(valid, positions, 0),
+            torch.where(valid, positions[..., stay], 0),
             None if bool(valid.all()) else valid, {n: s[..., stay].clone() for n, s in tail.state.items()})]
         self.aux = {}
         return True
@@ -940,8 +940,7 @@ def _right_aligned(flat: Segment, keep: torch.Tensor) -> Segment:
     rank = torch.arange(width, device=keep.device) - (width - count)[..., None]
     real = rank >= 0
     slots = flat.grid()[0].gather(-1, order.gather(-1, rank.clamp(min=0)))  # [B, H, width] into the store
-    data = FullPrecision(take_slots(flat.data.keys, slots[None, None].flatten(2)).view(*slots.shape, -1),
-                         take_slots(flat.data.values, slots[None, None].flatten(2)).view(*slots.shape, -1))
+    data = FullPrecision(flat.data.keys[0, 0][slots], flat.data.values[0, 0][slots])  # as Segment.padded reads
     return Segment(data, torch.where(real, flat.positions[0, 0][slots], 0),
                    None if bool(real.all()) else real, {n: s[0, 0][slots] for n, s in flat.state.items()})
 

@@ -3,10 +3,11 @@
 Split-K (flash-decoding): program (b*h, s) covers a range of quantized slots in blocks of BLOCK_T. Each block
 loads its codes as stored (contiguous bytes), splits them in registers into one plane per code position of a
 byte, and contracts each plane with the matching dims of the query; a block inside one key group folds the
-group's scale into the query and its min into one bias per row. An online softmax accumulates. The per-split partials (max, sum, acc) are merged in torch into one state, which the layer folds
-with its other segments. All query heads of a GQA group (x q_len rows) share one program, so each code is
-read once. On CPU the same kernel runs under TRITON_INTERPRET=1 (tests); `lowbit_attention_state` uses it on
-CUDA for rectangular KIVI codes.
+group's scale into the query and its min into one bias per row. An online softmax accumulates. The per-split
+partials (max, sum, acc) are merged in torch into one state, which the layer folds with its other segments.
+All query heads of a GQA group (x q_len rows) share one program, so each code is read once. On CPU the same
+kernel runs under TRITON_INTERPRET=1 (tests); `lowbit_attention_state` uses it on CUDA for rectangular KIVI
+codes.
 """
 
 from __future__ import annotations
