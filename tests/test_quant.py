@@ -286,23 +286,31 @@ def test_cpu_kernel_reads_flat_runs_and_gathered_codes(codec, rows):
 
 
 @pytest.mark.parametrize("codec", ["kivi", "gear"])
-@pytest.mark.parametrize("dim, bits", [(64, 2), (64, 4), (128, 2), (128, 4), (64, 8)])
-def test_cpu_kernel_specialised_head_dims(codec, dim, bits):
+@pytest.mark.parametrize("dim, bits, group", [(64, 2, 32), (64, 4, 32), (128, 2, 32), (128, 4, 32), (64, 8, 32),
+                                              (64, 4, 16), (64, 2, 8), (128, 4, 64)])
+def test_cpu_kernel_specialised_head_dims(codec, dim, bits, group):
     """lowbit_cpu.c compiles one copy of its split per common (head_dim, bits) (64/128 x 2/4 bits), besides the
-    generic one: each equals attention over the dequantized tokens, for a padded batch with several query
-    rows (a mask) and for one decode row over real slots (no mask)."""
+    generic one, and reads KIVI codes of head_dim 64/128 at 2/4 bits with value groups of a multiple of 16
+    channels through a hand-vectorised path (kivi_rows, query rows in blocks of 4): each equals attention over
+    the dequantized tokens, for a padded batch with several query rows (a mask; 6 rows: a block of 4 and one of
+    2), for one decode row over real slots (no mask), and over codes gathered by an eviction (key groups per
+    slot)."""
     from kvpress.kernels import lowbit_native
 
-    torch.manual_seed(dim + bits)
-    B, HKV, G, T, group = 2, 2, 3, 96, 32
+    torch.manual_seed(dim + bits + group)
+    B, HKV, G, T = 2, 2, 3, 192
     k, v = torch.randn(B, HKV, T, dim) + torch.randn(dim), torch.randn(B, HKV, T, dim)
-    for rows, pad in ((3, 7), (1, 0)):
+    for rows, pad, gathered in ((3, 7, False), (1, 0, False), (6, 7, False), (2, 7, True)):
         valid = (torch.arange(T) >= torch.tensor([0, pad])[:, None, None]).expand(B, HKV, T).contiguous()
         codes = encode_kivi(k, v, valid, bits, group) if codec == "kivi" else encode_gear(
             k, v, valid, bits, group, rank=2, outlier_ratio=0.05, power_iters=2)
         q, qpos = torch.randn(B, HKV * G, rows, dim), torch.arange(T - rows, T)
         queries = Queries(q, qpos, dim ** -0.5)
         positions = torch.arange(T, dtype=torch.int32).expand(B, HKV, T)
+        if gathered:
+            keep = torch.stack([torch.cat([torch.randperm(T - rows)[:48].sort().values, torch.arange(T - rows, T)])
+                                for _ in range(B * HKV)]).view(B, HKV, -1)  # the queries' own tokens stay
+            codes, positions, valid = codes.gather(keep), keep.to(torch.int32), valid.gather(-1, keep)
         assert lowbit_native.supports(queries, codes)
         native = lowbit_native.lowbit_attention_state_native(queries, codes, positions, valid if pad else None)
         torch.testing.assert_close(finish(native, queries), _attention_over(codes, positions, valid, q, qpos),

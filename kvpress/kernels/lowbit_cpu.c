@@ -66,13 +66,34 @@ static inline void unpack(const uint8_t *row, int bits, int64_t dim, float *out)
     else unpack_8(row, dim, out);
 }
 
+/* exp(x) for x <= 0 (a logit minus its row's max), written out so that loops over it vectorise (libm's expf is
+ * one call per element): exp(x) = 2^k e^r with k = round(x / ln 2), |r| <= ln 2 / 2, e^r by Cephes' degree-6
+ * polynomial (about 1 ulp). Below -87 (and at -inf, a masked slot) it is 0: a term under 2^-125 of a sum that
+ * holds 1. */
+static inline float exp_nonpositive(float x) {
+    const float clamped = x < -87.0f ? -87.0f : x;
+    const float k = floorf(clamped * 1.44269504088896341f + 0.5f);
+    const float r = clamped - k * 0.693359375f + k * 2.12194440e-4f; /* ln 2 in two parts: r stays exact */
+    float y = 1.9875691500e-4f;
+    y = y * r + 1.3981999507e-3f;
+    y = y * r + 8.3334519073e-3f;
+    y = y * r + 4.1665795894e-2f;
+    y = y * r + 1.6666665459e-1f;
+    y = y * r + 5.0000001201e-1f;
+    y = y * r * r + r + 1.0f;
+    const int32_t exponent = ((int32_t)k + 127) << 23; /* 2^k, k in [-126, 0] */
+    float scale;
+    memcpy(&scale, &exponent, sizeof scale);
+    return x < -87.0f ? 0.0f : y * scale;
+}
+
 /* logits p [R, n] -> exp(p - max) in place; the max and the sum of each row */
 static void softmax_partial(float *p, int64_t rows, int64_t n, float *m_out, float *l_out) {
     for (int64_t r = 0; r < rows; ++r) {
         float *pr = p + r * n, m = -INFINITY, l = 0.0f;
         for (int64_t i = 0; i < n; ++i) m = pr[i] > m ? pr[i] : m;
         const float safe = isinf(m) ? 0.0f : m;
-        for (int64_t i = 0; i < n; ++i) pr[i] = expf(pr[i] - safe); /* masked: exp(-inf) = 0 */
+        for (int64_t i = 0; i < n; ++i) pr[i] = exp_nonpositive(pr[i] - safe); /* masked: exp(-inf) = 0 */
         for (int64_t i = 0; i < n; ++i) l += pr[i];
         m_out[r] = m;
         l_out[r] = l;
@@ -237,6 +258,134 @@ static inline __attribute__((always_inline)) void one_split(const uint8_t *k_cod
         }
 }
 
+/* KIVI's common shapes, vectorised by hand (GCC/clang vector extensions, lowered to whatever the machine has):
+ * head_dim 64 or 128, 2 or 4 bits, value groups of a multiple of 16 channels, `RB` <= 4 query rows per pass. A
+ * code row is unpacked straight into channel order (nibbles split, then interleaved by a shuffle), 16 channels
+ * per vector; the rows' key weights and the value accumulators stay in registers for the whole split. Same
+ * inputs and results as one_split without GEAR's terms, for rows [r0, r0 + RB) of the item. */
+typedef float v16f __attribute__((vector_size(64)));
+typedef float v8f __attribute__((vector_size(32)));
+typedef float v4f __attribute__((vector_size(16)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef uint32_t v4u __attribute__((vector_size(16)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+#define MAX_VECTORS 8 /* head_dim 128 */
+#define MAX_ROW_BLOCK 4
+
+static inline float sum16(v16f x) {
+    const v8f a = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7)
+        + __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+    const v4f b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+static inline v16f load16(const float *src) {
+    v16f x;
+    memcpy(&x, src, sizeof x);
+    return x;
+}
+
+static inline v16f load16_half(const _Float16 *src) {
+    float wide[16];
+    for (int i = 0; i < 16; ++i) wide[i] = (float)src[i];
+    return load16(wide);
+}
+
+/* a code row of `dim` channels -> dim / 16 vectors of channels 16v .. 16v + 15. Code i of byte j is channel
+ * j * (8 / bits) + i, so in a little-endian 32-bit word of the row channel c's code is bits [c * bits, (c + 1) *
+ * bits) from the word's first channel: each lane shifts its word(s) by its own amount and masks. */
+static inline __attribute__((always_inline)) void unpack_vectors(const uint8_t *row, const int dim, const int bits,
+                                                                 v16f *out) {
+    for (int chunk = 0; chunk < dim * bits / 128; ++chunk) { /* 4 words each */
+        v4u w;
+        memcpy(&w, row + 16 * chunk, sizeof w);
+        if (bits == 4) { /* 16 channels in two words */
+            const v16u shift = {0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28};
+            for (int i = 0; i < 2; ++i) {
+                const uint32_t a = w[2 * i], b = w[2 * i + 1];
+                const v16u words = {a, a, a, a, a, a, a, a, b, b, b, b, b, b, b, b};
+                out[2 * chunk + i] = __builtin_convertvector((v16i)((words >> shift) & 15), v16f);
+            }
+        } else { /* 2 bits: 16 channels in one word */
+            const v16u shift = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+            for (int i = 0; i < 4; ++i) {
+                const v16u word = {w[i], w[i], w[i], w[i], w[i], w[i], w[i], w[i], w[i], w[i], w[i], w[i], w[i],
+                                   w[i], w[i], w[i]};
+                out[4 * chunk + i] = __builtin_convertvector((v16i)((word >> shift) & 3), v16f);
+            }
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void kivi_rows(
+    const uint8_t *k_codes, const _Float16 *k_scale, const _Float16 *k_min, const int32_t *k_group,
+    const uint8_t *v_codes, const _Float16 *v_scale, const _Float16 *v_min, const float *query,
+    const uint8_t *allowed, float scaling, float *m_out, float *l_out, float *acc_out, int64_t length,
+    int64_t n_groups, const int dim, int64_t rows, int64_t r0, const int RB, int64_t group, int64_t n_chan,
+    const int bits, span at, float *p) {
+    const int nv = dim / 16;
+    const int64_t row_bytes = dim * bits / 8, width = dim / n_chan;
+    const int64_t dh = at.dh, qh = at.qh, t0 = at.t0, t1 = at.t1, n = t1 - t0;
+    const int32_t *groups = k_group ? k_group + dh * length : NULL;
+    const uint8_t *allow = allowed ? allowed + (qh * rows + r0) * at.a_width : NULL; /* [RB, a_width] */
+    const float *q = query + (qh * rows + r0) * dim;                              /* [RB, D] */
+    v16f code[MAX_VECTORS], w[MAX_ROW_BLOCK][MAX_VECTORS];
+    float bias[MAX_ROW_BLOCK];
+    int64_t current = -1;
+    for (int64_t t = t0; t < t1; ++t) { /* logits [RB, n] */
+        const int64_t g = groups ? groups[t] : t / group;
+        if (g != current) { /* the key group's per-channel scales into the queries; its mins into a bias */
+            const _Float16 *sc = k_scale + (dh * n_groups + g) * dim, *mn = k_min + (dh * n_groups + g) * dim;
+            for (int r = 0; r < RB; ++r) {
+                v16f b = {0};
+                for (int v = 0; v < nv; ++v) {
+                    const v16f qv = load16(q + r * dim + 16 * v);
+                    w[r][v] = qv * load16_half(sc + 16 * v);
+                    b += qv * load16_half(mn + 16 * v);
+                }
+                bias[r] = sum16(b);
+            }
+            current = g;
+        }
+        unpack_vectors(k_codes + (dh * length + t) * row_bytes, dim, bits, code);
+        for (int r = 0; r < RB; ++r) {
+            v16f dot = w[r][0] * code[0];
+            for (int v = 1; v < nv; ++v) dot += w[r][v] * code[v];
+            const int ok = allow == NULL || allow[r * at.a_width + (t - at.a0)];
+            p[r * n + (t - t0)] = ok ? (sum16(dot) + bias[r]) * scaling : -INFINITY;
+        }
+    }
+    softmax_partial(p, RB, n, m_out + r0, l_out + r0);
+    /* values under the probabilities: each slot's codes times its groups' scales, then weighted per row; the
+     * mins' part summed per (row, group) and spread over the group's channels at the end */
+    v16f acc[MAX_ROW_BLOCK][MAX_VECTORS];
+    float low[MAX_ROW_BLOCK][MAX_VECTORS];
+    for (int r = 0; r < RB; ++r)
+        for (int v = 0; v < nv; ++v) acc[r][v] = (v16f){0}, low[r][v] = 0.0f;
+    for (int64_t t = t0; t < t1; ++t) {
+        float weight[MAX_ROW_BLOCK];
+        int any = 0;
+        for (int r = 0; r < RB; ++r) weight[r] = p[r * n + (t - t0)], any |= weight[r] != 0.0f;
+        if (!any) continue; /* masked for every row */
+        unpack_vectors(v_codes + (dh * length + t) * row_bytes, dim, bits, code);
+        const _Float16 *sc = v_scale + (dh * length + t) * n_chan, *mn = v_min + (dh * length + t) * n_chan;
+        for (int v = 0; v < nv; ++v) {
+            const int64_t c = 16 * v / width;
+            const v16f scaled = code[v] * (float)sc[c];
+            const float min = (float)mn[c];
+            for (int r = 0; r < RB; ++r) {
+                acc[r][v] += weight[r] * scaled;
+                if (16 * v % width == 0) low[r][c] += weight[r] * min; /* once per group */
+            }
+        }
+    }
+    for (int r = 0; r < RB; ++r)
+        for (int v = 0; v < nv; ++v) {
+            const v16f out = acc[r][v] + low[r][16 * v / width];
+            memcpy(acc_out + (r0 + r) * dim + 16 * v, &out, sizeof out);
+        }
+}
+
 /* m/l [BH, S + 1, R], acc [BH, S + 1, R, D]: the partials of `splits` consecutive slot ranges of each head's
  * codes, then of its full-precision tail (n_tail slots of tail_stride per head; with none, an empty partial). run_start / run_length
  * [BH] (NULL: rectangular codes [BH, length]): flat codes, one store of `length` slots in which head h's slots
@@ -251,6 +400,9 @@ int lowbit_attention(const uint8_t *k_codes, const _Float16 *k_scale, const _Flo
                      const float *tail_values, const uint8_t *tail_allowed, int64_t n_tail, int64_t tail_stride,
                      const gear_terms *gear) {
     const int64_t items = heads * (splits + 1);
+    /* kivi_rows' shapes: no GEAR terms, head_dim 64 / 128, 2 / 4 bits, value groups of whole vectors */
+    const int kivi_fast = gear == NULL && (dim == 64 || dim == 128) && (bits == 2 || bits == 4) && n_chan > 0
+        && dim % n_chan == 0 && (dim / n_chan) % 16 == 0;
     const int64_t rank = gear ? gear->rank : 0, n_k = gear ? gear->n_k : 0;
     int failed = 0;
     /* A flat store's key outliers come in flush order: list them run by run once (entries of run h are
@@ -304,7 +456,28 @@ int lowbit_attention(const uint8_t *k_codes, const _Float16 *k_scale, const _Flo
             failed = 1;
             continue;
         }
-        if (s < splits) {
+        if (s < splits && kivi_fast) {
+            for (int64_t r0 = 0; r0 < rows; r0 += MAX_ROW_BLOCK) {
+#define ROWS(DIM, BITS, RB)                                                                                    \
+    kivi_rows(k_codes, k_scale, k_min, k_group, v_codes, v_scale, v_min, query, allowed, scaling,               \
+              m_out + item * rows, l_out + item * rows, acc_out + item * rows * dim, length, n_groups, DIM, rows, \
+              r0, RB, group, n_chan, BITS, at, p)
+#define BLOCK(DIM, BITS)                                                                                       \
+    switch (rows - r0 < MAX_ROW_BLOCK ? rows - r0 : MAX_ROW_BLOCK) {                                          \
+    case 1: ROWS(DIM, BITS, 1); break;                                                                         \
+    case 2: ROWS(DIM, BITS, 2); break;                                                                         \
+    case 3: ROWS(DIM, BITS, 3); break;                                                                         \
+    default: ROWS(DIM, BITS, 4);                                                                               \
+    }
+                if (dim == 64 && bits == 4) BLOCK(64, 4)
+                else if (dim == 64 && bits == 2) BLOCK(64, 2)
+                else if (dim == 128 && bits == 4) BLOCK(128, 4)
+                else BLOCK(128, 2)
+#undef BLOCK
+#undef ROWS
+            }
+        }
+        else if (s < splits) {
             /* one copy of the split per common (head_dim, bits), each with its loops' bounds known to the
              * compiler (fully unrolled and vectorised), and a generic one */
 #define SPLIT(DIM, BITS)                                                                                       \
