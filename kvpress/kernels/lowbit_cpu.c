@@ -272,11 +272,16 @@ typedef int32_t v16i __attribute__((vector_size(64)));
 #define MAX_VECTORS 8 /* head_dim 128 */
 #define MAX_ROW_BLOCK 4
 
-static inline float sum16(v16f x) {
-    const v8f a = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7)
-        + __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
-    const v4f b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-    return (b[0] + b[2]) + (b[1] + b[3]);
+static inline float sum16(v16f x) { /* halves added, then quarters (no shuffle builtin: GCC < 12 has none) */
+    v8f a, b;
+    memcpy(&a, &x, sizeof a);
+    memcpy(&b, (const char *)&x + sizeof a, sizeof b);
+    a += b;
+    v4f c, d;
+    memcpy(&c, &a, sizeof c);
+    memcpy(&d, (const char *)&a + sizeof c, sizeof d);
+    c += d;
+    return (c[0] + c[2]) + (c[1] + c[3]);
 }
 
 static inline v16f load16(const float *src) {
@@ -386,11 +391,12 @@ static inline __attribute__((always_inline)) void kivi_rows(
         }
 }
 
-/* m/l [BH, S + 1, R], acc [BH, S + 1, R, D]: the partials of `splits` consecutive slot ranges of each head's
- * codes, then of its full-precision tail (n_tail slots of tail_stride per head; with none, an empty partial). run_start / run_length
- * [BH] (NULL: rectangular codes [BH, length]): flat codes, one store of `length` slots in which head h's slots
- * are run_length[h] slots from run_start[h], its allowed columns [R, allowed_width] counted from there. k_group
- * (NULL: slot / group) gives each slot's key group. Returns 0, or -1 when a work buffer could not be allocated. */
+/* m/l [BH, R], acc [BH, R, D]: each head's online-softmax state over its codes and its full-precision tail
+ * (n_tail slots of tail_stride per head), computed in work items of `splits` consecutive slot ranges of the
+ * codes and one for the tail, whose partials are merged here. run_start / run_length [BH] (NULL: rectangular
+ * codes [BH, length]): flat codes, one store of `length` slots in which head h's slots are run_length[h] slots
+ * from run_start[h], its allowed columns [R, allowed_width] counted from there. k_group (NULL: slot / group)
+ * gives each slot's key group. Returns 0, or -1 when a work buffer could not be allocated. */
 int lowbit_attention(const uint8_t *k_codes, const _Float16 *k_scale, const _Float16 *k_min, const int32_t *k_group,
                      int64_t n_groups, const uint8_t *v_codes, const _Float16 *v_scale, const _Float16 *v_min,
                      const float *query, const uint8_t *allowed, float scaling, float *m_out, float *l_out,
@@ -404,6 +410,10 @@ int lowbit_attention(const uint8_t *k_codes, const _Float16 *k_scale, const _Flo
     const int kivi_fast = gear == NULL && (dim == 64 || dim == 128) && (bits == 2 || bits == 4) && n_chan > 0
         && dim % n_chan == 0 && (dim / n_chan) % 16 == 0;
     const int64_t rank = gear ? gear->rank : 0, n_k = gear ? gear->n_k : 0;
+    /* the work items' partials [BH, S + 1, R(, D)] */
+    float *m_part = malloc(sizeof(float) * items * rows * (dim + 2)), *l_part = m_part + items * rows,
+          *acc_part = l_part + items * rows;
+    if (m_part == NULL) return -1;
     int failed = 0;
     /* A flat store's key outliers come in flush order: list them run by run once (entries of run h are
      * entries[first[h]] .. entries[first[h + 1] - 1]), so each work item looks only through its own run's. */
@@ -413,7 +423,7 @@ int lowbit_attention(const uint8_t *k_codes, const _Float16 *k_scale, const _Flo
         first = calloc(heads + 2, sizeof(int64_t));
         int64_t *owner = malloc(sizeof(int64_t) * n_k);
         if (entries == NULL || first == NULL || owner == NULL) {
-            free(entries), free(first), free(owner);
+            free(entries), free(first), free(owner), free(m_part);
             return -1;
         }
         for (int64_t e = 0; e < n_k; ++e) { /* the run holding the entry's slot: the last one starting at or before it */
@@ -460,7 +470,7 @@ int lowbit_attention(const uint8_t *k_codes, const _Float16 *k_scale, const _Flo
             for (int64_t r0 = 0; r0 < rows; r0 += MAX_ROW_BLOCK) {
 #define ROWS(DIM, BITS, RB)                                                                                    \
     kivi_rows(k_codes, k_scale, k_min, k_group, v_codes, v_scale, v_min, query, allowed, scaling,               \
-              m_out + item * rows, l_out + item * rows, acc_out + item * rows * dim, length, n_groups, DIM, rows, \
+              m_part + item * rows, l_part + item * rows, acc_part + item * rows * dim, length, n_groups, DIM, rows, \
               r0, RB, group, n_chan, BITS, at, p)
 #define BLOCK(DIM, BITS)                                                                                       \
     switch (rows - r0 < MAX_ROW_BLOCK ? rows - r0 : MAX_ROW_BLOCK) {                                          \
@@ -482,7 +492,7 @@ int lowbit_attention(const uint8_t *k_codes, const _Float16 *k_scale, const _Flo
              * compiler (fully unrolled and vectorised), and a generic one */
 #define SPLIT(DIM, BITS)                                                                                       \
     one_split(k_codes, k_scale, k_min, k_group, v_codes, v_scale, v_min, query, allowed, scaling,               \
-              m_out + item * rows, l_out + item * rows, acc_out + item * rows * dim, length, n_groups, DIM, rows, \
+              m_part + item * rows, l_part + item * rows, acc_part + item * rows * dim, length, n_groups, DIM, rows, \
               group, n_chan, BITS, at, gear, p, met)
             if (dim == 64 && bits == 4) SPLIT(64, 4);
             else if (dim == 64 && bits == 2) SPLIT(64, 2);
@@ -492,12 +502,30 @@ int lowbit_attention(const uint8_t *k_codes, const _Float16 *k_scale, const _Flo
 #undef SPLIT
         }
         else
-            tail_split(query, tail_keys, tail_values, tail_allowed, scaling, m_out + item * rows,
-                       l_out + item * rows, acc_out + item * rows * dim, n_tail, tail_stride, dim, rows, h, p);
+            tail_split(query, tail_keys, tail_values, tail_allowed, scaling, m_part + item * rows,
+                       l_part + item * rows, acc_part + item * rows * dim, n_tail, tail_stride, dim, rows, h, p);
         free(p);
         free(met);
     }
     free(entries);
     free(first);
+    /* each row's partials rescaled to their common max and summed (a partial over no slot has max -inf) */
+    for (int64_t h = 0; !failed && h < heads; ++h)
+        for (int64_t r = 0; r < rows; ++r) {
+            const float *m_s = m_part + h * (splits + 1) * rows + r, *l_s = l_part + h * (splits + 1) * rows + r;
+            const float *acc_s = acc_part + (h * (splits + 1) * rows + r) * dim;
+            float m = -INFINITY, l = 0.0f, *acc = acc_out + (h * rows + r) * dim;
+            for (int64_t s = 0; s <= splits; ++s) m = m_s[s * rows] > m ? m_s[s * rows] : m;
+            const float safe = isinf(m) ? 0.0f : m;
+            memset(acc, 0, sizeof(float) * dim);
+            for (int64_t s = 0; s <= splits; ++s) {
+                const float w = exp_nonpositive(m_s[s * rows] - safe);
+                l += l_s[s * rows] * w;
+                for (int64_t d = 0; d < dim; ++d) acc[d] += acc_s[s * rows * dim + d] * w;
+            }
+            m_out[h * rows + r] = m;
+            l_out[h * rows + r] = l;
+        }
+    free(m_part);
     return failed ? -1 : 0;
 }

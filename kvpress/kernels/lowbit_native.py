@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from ..cache.codecs import LowBitCodes
-from .online_softmax import Queries, State, merge_splits, merge_states
+from .online_softmax import Queries, State, merge_states
 
 SOURCE = Path(__file__).with_name("lowbit_cpu.c")
 MAX_HEAD_DIM = 1024  # the kernel unpacks one row into a stack buffer of this many floats
@@ -166,8 +166,8 @@ def _run(queries: Queries, codes: LowBitCodes, batch: int, hkv: int, allowed, al
     threads = torch.get_num_threads()
     per_head = codes.num_slots if runs is None else codes.num_slots // max(heads, 1)
     splits = max(1, min(-(-2 * threads // heads), per_head // MIN_SPLIT))
-    m = torch.empty(heads, splits + 1, n_rows)
-    l, acc = torch.empty_like(m), torch.empty(heads, splits + 1, n_rows, dim)
+    m = torch.empty(heads, n_rows)
+    l, acc = torch.empty_like(m), torch.empty(heads, n_rows, dim)
     starts, lengths = runs or (None, None)
     failed = _library.lowbit_attention(
         k_codes.data_ptr(), scales[0].data_ptr(), scales[1].data_ptr(), _pointer(k_group), codes.k_scale.shape[2],
@@ -179,7 +179,8 @@ def _run(queries: Queries, codes: LowBitCodes, batch: int, hkv: int, allowed, al
     del keep  # the tensors behind gear's pointers lived through the call
     if failed:
         raise MemoryError("lowbit_cpu.c: a work buffer could not be allocated")
-    return merge_splits(m, l, acc, (batch, hkv, group, rows), dim)
+    shape = (batch, hkv, group, rows)
+    return m.view(shape), l.view(shape), acc.view(*shape, dim)
 
 
 def _gear_terms(codes: LowBitCodes):
