@@ -137,6 +137,69 @@ typedef struct {
     const int64_t *entries;
 } span;
 
+/* GEAR: query rows q [R, D] times a chunk's key basis [D, rank] -> qb [R, rank] */
+static inline void gear_query_basis(const float *q, const _Float16 *basis, int64_t rows, int64_t dim, int64_t rank,
+                                    float *qb) {
+    memset(qb, 0, sizeof(float) * rows * rank);
+    for (int64_t r = 0; r < rows; ++r)
+        for (int64_t d = 0; d < dim; ++d)
+            for (int64_t k = 0; k < rank; ++k) qb[r * rank + k] += q[r * dim + d] * (float)basis[d * rank + k];
+}
+
+/* GEAR: each key outlier of the split's head in its slots [t0, t1): its exact value instead of the
+ * approximation, in the logits p [R, n] of query rows q [R, D] */
+static void gear_key_outliers(const gear_terms *gear, span at, const uint8_t *k_codes, const _Float16 *k_scale,
+                              const _Float16 *k_min, const int32_t *groups, int64_t group, int64_t length,
+                              int64_t n_groups, int64_t dim, int bits, const float *q, int64_t rows, float scaling,
+                              float *p, int64_t n) {
+    const int64_t dh = at.dh, rank = gear->rank, row_bytes = dim * bits / 8, per_byte = 8 / bits;
+    for (int64_t i = at.e0; i < at.e1; ++i) {
+        const int64_t e = at.entries ? at.entries[i] : i;
+        const int64_t slot = gear->k_out_slot[e], chan = gear->k_out_chan[e];
+        if (slot < at.t0 || slot >= at.t1) continue;
+        const int byte = k_codes[(dh * length + slot) * row_bytes + chan / per_byte];
+        const float stored = (float)((byte >> (bits * (chan % per_byte))) & ((1 << bits) - 1));
+        const int64_t g = groups ? groups[slot] : slot / group, c = gear->chunk[dh * length + slot];
+        const float approx = stored * (float)k_scale[(dh * n_groups + g) * dim + chan]
+            + (float)k_min[(dh * n_groups + g) * dim + chan]
+            + low_rank(gear->k_lr + (dh * length + slot) * rank,
+                       gear->k_basis + ((dh * gear->n_chunks + c) * dim + chan) * rank, rank);
+        const float delta = (float)gear->k_out_val[e] - approx;
+        for (int64_t r = 0; r < rows; ++r)
+            p[r * n + (slot - at.t0)] += q[r * dim + chan] * delta * scaling; /* -inf stays */
+    }
+}
+
+/* GEAR: slot `at_slot` (dh * length + t) of chunk c, its codes unpacked in `code` [D] and its value groups'
+ * scale/min: each value outlier's exact value instead of the approximation, under `weight`, into o [D] */
+static inline void gear_value_outliers(const gear_terms *gear, int64_t at_slot, int64_t dh, int64_t c,
+                                       const float *code, const _Float16 *sc, const _Float16 *mn, int64_t width,
+                                       int64_t dim, float weight, float *o) {
+    const int64_t rank = gear->rank;
+    const _Float16 *lr = gear->v_lr + at_slot * rank;
+    for (int64_t e = 0; e < gear->n_v; ++e) {
+        const int64_t at_v = at_slot * gear->n_v + e, d = gear->v_out_idx[at_v];
+        const float approx = code[d] * (float)sc[d / width] + (float)mn[d / width]
+            + low_rank(lr, gear->v_basis + ((dh * gear->n_chunks + c) * dim + d) * rank, rank);
+        o[d] += weight * ((float)gear->v_out_val[at_v] - approx);
+    }
+}
+
+/* GEAR: the values' low-rank part, per chunk met (the probabilities times its slots' row factors, by_chunk
+ * [n_met, R, rank]) times the chunk's value basis, added to acc [R, D] */
+static void gear_value_low_rank(const gear_terms *gear, int64_t dh, const int64_t *met, int64_t n_met,
+                                const float *by_chunk, int64_t rows, int64_t dim, float *acc) {
+    const int64_t rank = gear->rank;
+    for (int64_t r = 0; r < rows; ++r)
+        for (int64_t d = 0; d < dim; ++d) {
+            float sum = 0.0f;
+            for (int64_t i = 0; i < n_met; ++i)
+                sum += low_rank_f(by_chunk + (i * rows + r) * rank,
+                                  gear->v_basis + ((dh * gear->n_chunks + met[i]) * dim + d) * rank, rank);
+            acc[r * dim + d] += sum;
+        }
+}
+
 static inline __attribute__((always_inline)) void one_split(const uint8_t *k_codes, const _Float16 *k_scale, const _Float16 *k_min, const int32_t *k_group,
                       const uint8_t *v_codes, const _Float16 *v_scale, const _Float16 *v_min, const float *query,
                       const uint8_t *allowed, float scaling, float *m_out, float *l_out, float *acc_out,
@@ -174,14 +237,8 @@ static inline __attribute__((always_inline)) void one_split(const uint8_t *k_cod
         unpack(k_codes + (dh * length + t) * row_bytes, bits, dim, code);
         if (gear && (n_met == 0 || met[n_met - 1] != gear->chunk[dh * length + t])) {
             const int64_t c = gear->chunk[dh * length + t];
-            const _Float16 *basis = gear->k_basis + (dh * n_chunks + c) * dim * rank; /* [D, rank] */
-            float *qb = q_basis + n_met * rows * rank;
-            memset(qb, 0, sizeof(float) * rows * rank);
-            for (int64_t r = 0; r < rows; ++r)
-                for (int64_t d = 0; d < dim; ++d) {
-                    const float qd = query[(qh * rows + r) * dim + d];
-                    for (int64_t k = 0; k < rank; ++k) qb[r * rank + k] += qd * (float)basis[d * rank + k];
-                }
+            gear_query_basis(query + qh * rows * dim, gear->k_basis + (dh * n_chunks + c) * dim * rank, rows, dim,
+                             rank, q_basis + n_met * rows * rank);
             met[n_met++] = c;
         }
         for (int64_t r = 0; r < rows; ++r) {
@@ -197,23 +254,9 @@ static inline __attribute__((always_inline)) void one_split(const uint8_t *k_cod
             p[r * n + (t - t0)] = ok ? (dot + b[r]) * scaling : -INFINITY;
         }
     }
-    if (gear) /* each key outlier of this head in this split: its exact value instead of the approximation */
-        for (int64_t i = at.e0; i < at.e1; ++i) {
-            const int64_t e = at.entries ? at.entries[i] : i;
-            const int64_t slot = gear->k_out_slot[e], chan = gear->k_out_chan[e];
-            if (slot < t0 || slot >= t1) continue;
-            const int per_byte = 8 / bits;
-            const int byte = k_codes[(dh * length + slot) * row_bytes + chan / per_byte];
-            const float stored = (float)((byte >> (bits * (chan % per_byte))) & ((1 << bits) - 1));
-            const int64_t g = groups ? groups[slot] : slot / group, c = gear->chunk[dh * length + slot];
-            const float approx = stored * (float)k_scale[(dh * n_groups + g) * dim + chan]
-                + (float)k_min[(dh * n_groups + g) * dim + chan]
-                + low_rank(gear->k_lr + (dh * length + slot) * rank,
-                           gear->k_basis + ((dh * n_chunks + c) * dim + chan) * rank, rank);
-            const float delta = (float)gear->k_out_val[e] - approx;
-            for (int64_t r = 0; r < rows; ++r)
-                p[r * n + (slot - t0)] += query[(qh * rows + r) * dim + chan] * delta * scaling; /* -inf stays */
-        }
+    if (gear)
+        gear_key_outliers(gear, at, k_codes, k_scale, k_min, groups, group, length, n_groups, dim, bits,
+                          query + qh * rows * dim, rows, scaling, p, n);
     softmax_partial(p, rows, n, m_out, l_out);
     /* values under the probabilities; the mins' part per channel group, spread over its channels at the end */
     float *low = p + rows * n;  /* [R, C] */
@@ -235,27 +278,17 @@ static inline __attribute__((always_inline)) void one_split(const uint8_t *k_cod
                 for (int64_t d = c * width; d < (c + 1) * width; ++d) o[d] += a * code[d];
             }
             if (gear) {
-                const int64_t c = gear->chunk[dh * length + t];
                 const _Float16 *lr = gear->v_lr + (dh * length + t) * rank;
                 float *mine = by_chunk + (at_chunk * rows + r) * rank;
                 for (int64_t k = 0; k < rank; ++k) mine[k] += weight * (float)lr[k];
-                for (int64_t e = 0; e < gear->n_v; ++e) { /* value outliers: exact instead of approximated */
-                    const int64_t at_v = (dh * length + t) * gear->n_v + e, d = gear->v_out_idx[at_v];
-                    const float approx = code[d] * (float)sc[d / width] + (float)mn[d / width]
-                        + low_rank(lr, gear->v_basis + ((dh * n_chunks + c) * dim + d) * rank, rank);
-                    o[d] += weight * ((float)gear->v_out_val[at_v] - approx);
-                }
+                gear_value_outliers(gear, dh * length + t, dh, gear->chunk[dh * length + t], code, sc, mn, width, dim,
+                                    weight, o);
             }
         }
     }
     for (int64_t r = 0; r < rows; ++r)
-        for (int64_t d = 0; d < dim; ++d) {
-            float sum = low[r * n_chan + d / width];
-            for (int64_t i = 0; i < n_met; ++i)
-                sum += low_rank_f(by_chunk + (i * rows + r) * rank,
-                                  gear->v_basis + ((dh * n_chunks + met[i]) * dim + d) * rank, rank);
-            acc_out[r * dim + d] += sum;
-        }
+        for (int64_t d = 0; d < dim; ++d) acc_out[r * dim + d] += low[r * n_chan + d / width];
+    if (gear) gear_value_low_rank(gear, dh, met, n_met, by_chunk, rows, dim, acc_out);
 }
 
 /* KIVI's common shapes, vectorised by hand (GCC/clang vector extensions, lowered to whatever the machine has):
