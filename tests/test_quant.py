@@ -227,16 +227,17 @@ def _attention_over(codes, positions, valid, q, qpos):
 
 @pytest.mark.parametrize("codec", ["kivi", "gear"])
 @pytest.mark.parametrize("rows", [1, 3])
-def test_cpu_kernel_reads_flat_runs_and_gathered_codes(codec, rows):
+@pytest.mark.parametrize("D", [32, 64])
+def test_cpu_kernel_reads_flat_runs_and_gathered_codes(codec, rows, D):
     """lowbit_cpu.c over flat codes (a left-padded batch whose padding cuts key groups: per-(row, head) runs of
     one store, each starting with a partial key group) and over codes gathered by an eviction (explicit key
     groups) equals attention over the dequantized tokens, as the torch reference does; one query row reads with
-    no mask, several with one."""
+    no mask, several with one. head_dim 32 reads through the generic split, 64 through the vectorised one."""
     from kvpress.kernels import lowbit_native
     from kvpress.kernels.quant_attention import flat_lowbit_attention_state_reference
 
     torch.manual_seed(7)
-    B, HKV, G, D, T, group = 2, 2, 3, 32, 64, 16
+    B, HKV, G, T, group = 2, 2, 3, 64, 16
     k, v = torch.randn(B, HKV, T, D) + 2 * torch.randn(D), torch.randn(B, HKV, T, D)
     valid = (torch.arange(T) >= torch.tensor([5, 21])[:, None, None]).expand(B, HKV, T).contiguous()
     if codec == "kivi":

@@ -291,11 +291,11 @@ static inline __attribute__((always_inline)) void one_split(const uint8_t *k_cod
     if (gear) gear_value_low_rank(gear, dh, met, n_met, by_chunk, rows, dim, acc_out);
 }
 
-/* KIVI's common shapes, vectorised by hand (GCC/clang vector extensions, lowered to whatever the machine has):
+/* The common shapes, vectorised by hand (GCC/clang vector extensions, lowered to whatever the machine has):
  * head_dim 64 or 128, 2 or 4 bits, value groups of a multiple of 16 channels, `RB` <= 4 query rows per pass. A
- * code row is unpacked straight into channel order (nibbles split, then interleaved by a shuffle), 16 channels
- * per vector; the rows' key weights and the value accumulators stay in registers for the whole split. Same
- * inputs and results as one_split without GEAR's terms, for rows [r0, r0 + RB) of the item. */
+ * code row is unpacked straight into channel order, 16 channels per vector; the rows' key weights and the value
+ * accumulators stay in registers for the whole split. Same inputs and results as one_split, for rows
+ * [r0, r0 + RB) of the item; GEAR's terms (with_gear, a constant in each copy) through the same helpers. */
 typedef float v16f __attribute__((vector_size(64)));
 typedef float v8f __attribute__((vector_size(32)));
 typedef float v4f __attribute__((vector_size(16)));
@@ -355,18 +355,23 @@ static inline __attribute__((always_inline)) void unpack_vectors(const uint8_t *
     }
 }
 
-static inline __attribute__((always_inline)) void kivi_rows(
+static inline __attribute__((always_inline)) void vector_rows(
     const uint8_t *k_codes, const _Float16 *k_scale, const _Float16 *k_min, const int32_t *k_group,
     const uint8_t *v_codes, const _Float16 *v_scale, const _Float16 *v_min, const float *query,
     const uint8_t *allowed, float scaling, float *m_out, float *l_out, float *acc_out, int64_t length,
     int64_t n_groups, const int dim, int64_t rows, int64_t r0, const int RB, int64_t group, int64_t n_chan,
-    const int bits, span at, float *p) {
+    const int bits, span at, const gear_terms *gear, const int with_gear, float *p, int64_t *met) {
     const int nv = dim / 16;
     const int64_t row_bytes = dim * bits / 8, width = dim / n_chan;
     const int64_t dh = at.dh, qh = at.qh, t0 = at.t0, t1 = at.t1, n = t1 - t0;
+    const int64_t rank = with_gear ? gear->rank : 0, n_chunks = with_gear ? gear->n_chunks : 0;
     const int32_t *groups = k_group ? k_group + dh * length : NULL;
     const uint8_t *allow = allowed ? allowed + (qh * rows + r0) * at.a_width : NULL; /* [RB, a_width] */
     const float *q = query + (qh * rows + r0) * dim;                              /* [RB, D] */
+    /* GEAR, as in one_split: per chunk met, the rows times its key basis and the probabilities times the slots'
+     * row factors ([n, RB, rank] each) */
+    float *q_basis = p + RB * n, *by_chunk = q_basis + n * RB * rank;
+    int64_t n_met = 0;
     v16f code[MAX_VECTORS], w[MAX_ROW_BLOCK][MAX_VECTORS];
     float bias[MAX_ROW_BLOCK];
     int64_t current = -1;
@@ -386,21 +391,41 @@ static inline __attribute__((always_inline)) void kivi_rows(
             current = g;
         }
         unpack_vectors(k_codes + (dh * length + t) * row_bytes, dim, bits, code);
+        if (with_gear && (n_met == 0 || met[n_met - 1] != gear->chunk[dh * length + t])) {
+            const int64_t c = gear->chunk[dh * length + t];
+            gear_query_basis(q, gear->k_basis + (dh * n_chunks + c) * dim * rank, RB, dim, rank,
+                             q_basis + n_met * RB * rank);
+            met[n_met++] = c;
+        }
         for (int r = 0; r < RB; ++r) {
             v16f dot = w[r][0] * code[0];
             for (int v = 1; v < nv; ++v) dot += w[r][v] * code[v];
+            float logit = sum16(dot) + bias[r];
+            if (with_gear)
+                logit += low_rank_f(q_basis + ((n_met - 1) * RB + r) * rank, gear->k_lr + (dh * length + t) * rank,
+                                    rank);
             const int ok = allow == NULL || allow[r * at.a_width + (t - at.a0)];
-            p[r * n + (t - t0)] = ok ? (sum16(dot) + bias[r]) * scaling : -INFINITY;
+            p[r * n + (t - t0)] = ok ? logit * scaling : -INFINITY;
         }
     }
+    if (with_gear)
+        gear_key_outliers(gear, at, k_codes, k_scale, k_min, groups, group, length, n_groups, dim, bits, q, RB,
+                          scaling, p, n);
     softmax_partial(p, RB, n, m_out + r0, l_out + r0);
     /* values under the probabilities: each slot's codes times its groups' scales, then weighted per row; the
-     * mins' part summed per (row, group) and spread over the group's channels at the end */
+     * mins' part summed per (row, group) and spread over the group's channels at the end; GEAR's value
+     * outliers into their own [RB, D] */
     v16f acc[MAX_ROW_BLOCK][MAX_VECTORS];
-    float low[MAX_ROW_BLOCK][MAX_VECTORS];
+    float low[MAX_ROW_BLOCK][MAX_VECTORS], outliers[MAX_ROW_BLOCK][16 * MAX_VECTORS];
     for (int r = 0; r < RB; ++r)
         for (int v = 0; v < nv; ++v) acc[r][v] = (v16f){0}, low[r][v] = 0.0f;
+    if (with_gear) {
+        memset(outliers, 0, sizeof outliers);
+        memset(by_chunk, 0, sizeof(float) * n_met * RB * rank);
+    }
+    int64_t at_chunk = -1; /* which chunk met the slot belongs to (the same walk through the slots) */
     for (int64_t t = t0; t < t1; ++t) {
+        if (with_gear && (at_chunk < 0 || met[at_chunk] != gear->chunk[dh * length + t])) ++at_chunk;
         float weight[MAX_ROW_BLOCK];
         int any = 0;
         for (int r = 0; r < RB; ++r) weight[r] = p[r * n + (t - t0)], any |= weight[r] != 0.0f;
@@ -416,12 +441,26 @@ static inline __attribute__((always_inline)) void kivi_rows(
                 if (16 * v % width == 0) low[r][c] += weight[r] * min; /* once per group */
             }
         }
+        if (with_gear) {
+            float unpacked[16 * MAX_VECTORS]; /* the value outliers' codes, read by channel */
+            if (gear->n_v) memcpy(unpacked, code, sizeof(float) * dim);
+            const _Float16 *lr = gear->v_lr + (dh * length + t) * rank;
+            for (int r = 0; r < RB; ++r) {
+                if (weight[r] == 0.0f) continue;
+                float *mine = by_chunk + (at_chunk * RB + r) * rank;
+                for (int64_t k = 0; k < rank; ++k) mine[k] += weight[r] * (float)lr[k];
+                gear_value_outliers(gear, dh * length + t, dh, gear->chunk[dh * length + t], unpacked, sc, mn, width,
+                                    dim, weight[r], outliers[r]);
+            }
+        }
     }
     for (int r = 0; r < RB; ++r)
         for (int v = 0; v < nv; ++v) {
-            const v16f out = acc[r][v] + low[r][16 * v / width];
+            v16f out = acc[r][v] + low[r][16 * v / width];
+            if (with_gear) out += load16(outliers[r] + 16 * v);
             memcpy(acc_out + (r0 + r) * dim + 16 * v, &out, sizeof out);
         }
+    if (with_gear) gear_value_low_rank(gear, dh, met, n_met, by_chunk, RB, dim, acc_out + r0 * dim);
 }
 
 /* m/l [BH, R], acc [BH, R, D]: each head's online-softmax state over its codes and its full-precision tail
@@ -439,8 +478,8 @@ int lowbit_attention(const uint8_t *k_codes, const _Float16 *k_scale, const _Flo
                      const float *tail_values, const uint8_t *tail_allowed, int64_t n_tail, int64_t tail_stride,
                      const gear_terms *gear) {
     const int64_t items = heads * (splits + 1);
-    /* kivi_rows' shapes: no GEAR terms, head_dim 64 / 128, 2 / 4 bits, value groups of whole vectors */
-    const int kivi_fast = gear == NULL && (dim == 64 || dim == 128) && (bits == 2 || bits == 4) && n_chan > 0
+    /* vector_rows' shapes: head_dim 64 / 128, 2 / 4 bits, value groups of whole vectors */
+    const int vector_fast = (dim == 64 || dim == 128) && (bits == 2 || bits == 4) && n_chan > 0
         && dim % n_chan == 0 && (dim / n_chan) % 16 == 0;
     const int64_t rank = gear ? gear->rank : 0, n_k = gear ? gear->n_k : 0;
     /* the work items' partials [BH, S + 1, R(, D)] */
@@ -499,23 +538,27 @@ int lowbit_attention(const uint8_t *k_codes, const _Float16 *k_scale, const _Flo
             failed = 1;
             continue;
         }
-        if (s < splits && kivi_fast) {
+        if (s < splits && vector_fast) {
             for (int64_t r0 = 0; r0 < rows; r0 += MAX_ROW_BLOCK) {
-#define ROWS(DIM, BITS, RB)                                                                                    \
-    kivi_rows(k_codes, k_scale, k_min, k_group, v_codes, v_scale, v_min, query, allowed, scaling,               \
-              m_part + item * rows, l_part + item * rows, acc_part + item * rows * dim, length, n_groups, DIM, rows, \
-              r0, RB, group, n_chan, BITS, at, p)
-#define BLOCK(DIM, BITS)                                                                                       \
+#define ROWS(DIM, BITS, RB, GEAR)                                                                              \
+    vector_rows(k_codes, k_scale, k_min, k_group, v_codes, v_scale, v_min, query, allowed, scaling,             \
+                m_part + item * rows, l_part + item * rows, acc_part + item * rows * dim, length, n_groups, DIM,  \
+                rows, r0, RB, group, n_chan, BITS, at, gear, GEAR, p, met)
+#define BLOCK(DIM, BITS, GEAR)                                                                                 \
     switch (rows - r0 < MAX_ROW_BLOCK ? rows - r0 : MAX_ROW_BLOCK) {                                          \
-    case 1: ROWS(DIM, BITS, 1); break;                                                                         \
-    case 2: ROWS(DIM, BITS, 2); break;                                                                         \
-    case 3: ROWS(DIM, BITS, 3); break;                                                                         \
-    default: ROWS(DIM, BITS, 4);                                                                               \
+    case 1: ROWS(DIM, BITS, 1, GEAR); break;                                                                   \
+    case 2: ROWS(DIM, BITS, 2, GEAR); break;                                                                   \
+    case 3: ROWS(DIM, BITS, 3, GEAR); break;                                                                   \
+    default: ROWS(DIM, BITS, 4, GEAR);                                                                         \
     }
-                if (dim == 64 && bits == 4) BLOCK(64, 4)
-                else if (dim == 64 && bits == 2) BLOCK(64, 2)
-                else if (dim == 128 && bits == 4) BLOCK(128, 4)
-                else BLOCK(128, 2)
+#define SHAPES(GEAR)                                                                                           \
+    if (dim == 64 && bits == 4) BLOCK(64, 4, GEAR)                                                             \
+    else if (dim == 64 && bits == 2) BLOCK(64, 2, GEAR)                                                        \
+    else if (dim == 128 && bits == 4) BLOCK(128, 4, GEAR)                                                      \
+    else BLOCK(128, 2, GEAR)
+                if (gear) SHAPES(1)
+                else SHAPES(0)
+#undef SHAPES
 #undef BLOCK
 #undef ROWS
             }
