@@ -318,6 +318,26 @@ def test_cpu_kernel_specialised_head_dims(codec, dim, bits, group):
                                    atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("rank", [1, 3, 4, 5])
+def test_cpu_kernel_gear_ranks(rank):
+    """GEAR's low-rank term in the vectorised split (ranks up to 4, held as one 4-lane vector with zeros beyond
+    the rank) and through the generic split (rank 5) equals attention over the dequantized tokens."""
+    from kvpress.kernels import lowbit_native
+
+    torch.manual_seed(rank)
+    B, HKV, G, T, D = 2, 2, 3, 128, 64
+    k, v = torch.randn(B, HKV, T, D) + torch.randn(D), torch.randn(B, HKV, T, D)
+    valid = (torch.arange(T) >= torch.tensor([0, 5])[:, None, None]).expand(B, HKV, T).contiguous()
+    codes = encode_gear(k, v, valid, 4, 32, rank=rank, outlier_ratio=0.05, power_iters=2)
+    q, qpos = torch.randn(B, HKV * G, 2, D), torch.arange(T - 2, T)
+    queries = Queries(q, qpos, D ** -0.5)
+    positions = torch.arange(T, dtype=torch.int32).expand(B, HKV, T)
+    assert lowbit_native.supports(queries, codes)
+    native = lowbit_native.lowbit_attention_state_native(queries, codes, positions, valid)
+    torch.testing.assert_close(finish(native, queries), _attention_over(codes, positions, valid, q, qpos),
+                               atol=1e-5, rtol=1e-5)
+
+
 def test_cpu_kernel_without_a_compiler_falls_back_to_torch_with_a_warning(monkeypatch, tmp_path):
     from kvpress.kernels import lowbit_native
 

@@ -15,6 +15,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX512F__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 #define MAX_DIM 1024
 
@@ -323,11 +326,38 @@ static inline v16f load16(const float *src) {
     return x;
 }
 
+/* 16 fp16 values as floats: one conversion instruction where the machine has one (GCC 12 converts a vector of
+ * _Float16 lane by lane), else lane by lane into registers (never stored as scalars and reloaded as a vector:
+ * that stalls store forwarding) */
 static inline v16f load16_half(const _Float16 *src) {
-    float wide[16];
-    for (int i = 0; i < 16; ++i) wide[i] = (float)src[i];
-    return load16(wide);
+#if defined(__AVX512F__)
+    return (v16f)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)src));
+#elif defined(__F16C__)
+    const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)src)),
+                 hi = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + 8)));
+    v16f x;
+    memcpy(&x, &lo, sizeof lo);
+    memcpy((char *)&x + sizeof lo, &hi, sizeof hi);
+    return x;
+#else
+    return (v16f){src[0], src[1], src[2], src[3], src[4], src[5], src[6], src[7], src[8], src[9], src[10], src[11],
+                  src[12], src[13], src[14], src[15]};
+#endif
 }
+
+/* GEAR's rank-long rows (rank <= 4 in the vectorised split) as one vector, zero beyond the rank, built in
+ * registers (no read past the row) */
+#define MAX_RANK_VECTOR 4
+static inline v4f rank_vector_half(const _Float16 *row, int64_t rank) {
+    return (v4f){(float)row[0], rank > 1 ? (float)row[1] : 0.0f, rank > 2 ? (float)row[2] : 0.0f,
+                 rank > 3 ? (float)row[3] : 0.0f};
+}
+
+static inline v4f rank_vector(const float *row, int64_t rank) {
+    return (v4f){row[0], rank > 1 ? row[1] : 0.0f, rank > 2 ? row[2] : 0.0f, rank > 3 ? row[3] : 0.0f};
+}
+
+static inline float sum4(v4f x) { return (x[0] + x[2]) + (x[1] + x[3]); }
 
 /* a code row of `dim` channels -> dim / 16 vectors of channels 16v .. 16v + 15. Code i of byte j is channel
  * j * (8 / bits) + i, so in a little-endian 32-bit word of the row channel c's code is bits [c * bits, (c + 1) *
@@ -369,9 +399,10 @@ static inline __attribute__((always_inline)) void vector_rows(
     const uint8_t *allow = allowed ? allowed + (qh * rows + r0) * at.a_width : NULL; /* [RB, a_width] */
     const float *q = query + (qh * rows + r0) * dim;                              /* [RB, D] */
     /* GEAR, as in one_split: per chunk met, the rows times its key basis and the probabilities times the slots'
-     * row factors ([n, RB, rank] each) */
+     * row factors ([n, RB, rank] each); the current chunk's as vectors of the rank (in registers) */
     float *q_basis = p + RB * n, *by_chunk = q_basis + n * RB * rank;
     int64_t n_met = 0;
+    v4f q_basis_now[MAX_ROW_BLOCK];
     v16f code[MAX_VECTORS], w[MAX_ROW_BLOCK][MAX_VECTORS];
     float bias[MAX_ROW_BLOCK];
     int64_t current = -1;
@@ -379,12 +410,14 @@ static inline __attribute__((always_inline)) void vector_rows(
         const int64_t g = groups ? groups[t] : t / group;
         if (g != current) { /* the key group's per-channel scales into the queries; its mins into a bias */
             const _Float16 *sc = k_scale + (dh * n_groups + g) * dim, *mn = k_min + (dh * n_groups + g) * dim;
+            v16f scale[MAX_VECTORS], min[MAX_VECTORS];
+            for (int v = 0; v < nv; ++v) scale[v] = load16_half(sc + 16 * v), min[v] = load16_half(mn + 16 * v);
             for (int r = 0; r < RB; ++r) {
                 v16f b = {0};
                 for (int v = 0; v < nv; ++v) {
                     const v16f qv = load16(q + r * dim + 16 * v);
-                    w[r][v] = qv * load16_half(sc + 16 * v);
-                    b += qv * load16_half(mn + 16 * v);
+                    w[r][v] = qv * scale[v];
+                    b += qv * min[v];
                 }
                 bias[r] = sum16(b);
             }
@@ -393,17 +426,17 @@ static inline __attribute__((always_inline)) void vector_rows(
         unpack_vectors(k_codes + (dh * length + t) * row_bytes, dim, bits, code);
         if (with_gear && (n_met == 0 || met[n_met - 1] != gear->chunk[dh * length + t])) {
             const int64_t c = gear->chunk[dh * length + t];
-            gear_query_basis(q, gear->k_basis + (dh * n_chunks + c) * dim * rank, RB, dim, rank,
-                             q_basis + n_met * RB * rank);
+            float *qb = q_basis + n_met * RB * rank;
+            gear_query_basis(q, gear->k_basis + (dh * n_chunks + c) * dim * rank, RB, dim, rank, qb);
+            for (int r = 0; r < RB; ++r) q_basis_now[r] = rank_vector(qb + r * rank, rank);
             met[n_met++] = c;
         }
+        const v4f factors = with_gear ? rank_vector_half(gear->k_lr + (dh * length + t) * rank, rank) : (v4f){0};
         for (int r = 0; r < RB; ++r) {
             v16f dot = w[r][0] * code[0];
             for (int v = 1; v < nv; ++v) dot += w[r][v] * code[v];
             float logit = sum16(dot) + bias[r];
-            if (with_gear)
-                logit += low_rank_f(q_basis + ((n_met - 1) * RB + r) * rank, gear->k_lr + (dh * length + t) * rank,
-                                    rank);
+            if (with_gear) logit += sum4(q_basis_now[r] * factors);
             const int ok = allow == NULL || allow[r * at.a_width + (t - at.a0)];
             p[r * n + (t - t0)] = ok ? logit * scaling : -INFINITY;
         }
@@ -419,13 +452,16 @@ static inline __attribute__((always_inline)) void vector_rows(
     float low[MAX_ROW_BLOCK][MAX_VECTORS], outliers[MAX_ROW_BLOCK][16 * MAX_VECTORS];
     for (int r = 0; r < RB; ++r)
         for (int v = 0; v < nv; ++v) acc[r][v] = (v16f){0}, low[r][v] = 0.0f;
-    if (with_gear) {
-        memset(outliers, 0, sizeof outliers);
-        memset(by_chunk, 0, sizeof(float) * n_met * RB * rank);
-    }
+    if (with_gear) memset(outliers, 0, sizeof outliers);
     int64_t at_chunk = -1; /* which chunk met the slot belongs to (the same walk through the slots) */
+    v4f by_chunk_now[MAX_ROW_BLOCK]; /* the current chunk's part of by_chunk, in registers until the chunk ends */
     for (int64_t t = t0; t < t1; ++t) {
-        if (with_gear && (at_chunk < 0 || met[at_chunk] != gear->chunk[dh * length + t])) ++at_chunk;
+        if (with_gear && (at_chunk < 0 || met[at_chunk] != gear->chunk[dh * length + t])) {
+            if (at_chunk >= 0)
+                for (int r = 0; r < RB; ++r) memcpy(by_chunk + (at_chunk * RB + r) * rank, &by_chunk_now[r], sizeof(float) * rank);
+            ++at_chunk;
+            for (int r = 0; r < RB; ++r) by_chunk_now[r] = (v4f){0};
+        }
         float weight[MAX_ROW_BLOCK];
         int any = 0;
         for (int r = 0; r < RB; ++r) weight[r] = p[r * n + (t - t0)], any |= weight[r] != 0.0f;
@@ -444,16 +480,17 @@ static inline __attribute__((always_inline)) void vector_rows(
         if (with_gear) {
             float unpacked[16 * MAX_VECTORS]; /* the value outliers' codes, read by channel */
             if (gear->n_v) memcpy(unpacked, code, sizeof(float) * dim);
-            const _Float16 *lr = gear->v_lr + (dh * length + t) * rank;
+            const v4f factors = rank_vector_half(gear->v_lr + (dh * length + t) * rank, rank);
             for (int r = 0; r < RB; ++r) {
-                if (weight[r] == 0.0f) continue;
-                float *mine = by_chunk + (at_chunk * RB + r) * rank;
-                for (int64_t k = 0; k < rank; ++k) mine[k] += weight[r] * (float)lr[k];
-                gear_value_outliers(gear, dh * length + t, dh, gear->chunk[dh * length + t], unpacked, sc, mn, width,
-                                    dim, weight[r], outliers[r]);
+                by_chunk_now[r] += weight[r] * factors;
+                if (gear->n_v && weight[r] != 0.0f)
+                    gear_value_outliers(gear, dh * length + t, dh, gear->chunk[dh * length + t], unpacked, sc, mn,
+                                        width, dim, weight[r], outliers[r]);
             }
         }
     }
+    if (with_gear && at_chunk >= 0)
+        for (int r = 0; r < RB; ++r) memcpy(by_chunk + (at_chunk * RB + r) * rank, &by_chunk_now[r], sizeof(float) * rank);
     for (int r = 0; r < RB; ++r)
         for (int v = 0; v < nv; ++v) {
             v16f out = acc[r][v] + low[r][16 * v / width];
@@ -480,7 +517,7 @@ int lowbit_attention(const uint8_t *k_codes, const _Float16 *k_scale, const _Flo
     const int64_t items = heads * (splits + 1);
     /* vector_rows' shapes: head_dim 64 / 128, 2 / 4 bits, value groups of whole vectors */
     const int vector_fast = (dim == 64 || dim == 128) && (bits == 2 || bits == 4) && n_chan > 0
-        && dim % n_chan == 0 && (dim / n_chan) % 16 == 0;
+        && dim % n_chan == 0 && (dim / n_chan) % 16 == 0 && (gear == NULL || gear->rank <= MAX_RANK_VECTOR);
     const int64_t rank = gear ? gear->rank : 0, n_k = gear ? gear->n_k : 0;
     /* the work items' partials [BH, S + 1, R(, D)] */
     float *m_part = malloc(sizeof(float) * items * rows * (dim + 2)), *l_part = m_part + items * rows,
