@@ -290,12 +290,11 @@ def test_cpu_kernel_reads_flat_runs_and_gathered_codes(codec, rows, D):
 @pytest.mark.parametrize("dim, bits, group", [(64, 2, 32), (64, 4, 32), (128, 2, 32), (128, 4, 32), (64, 8, 32),
                                               (64, 4, 16), (64, 2, 8), (128, 4, 64)])
 def test_cpu_kernel_specialised_head_dims(codec, dim, bits, group):
-    """lowbit_cpu.c compiles one copy of its split per common (head_dim, bits) (64/128 x 2/4 bits), besides the
-    generic one, and reads KIVI codes of head_dim 64/128 at 2/4 bits with value groups of a multiple of 16
-    channels through a hand-vectorised path (kivi_rows, query rows in blocks of 4): each equals attention over
-    the dequantized tokens, for a padded batch with several query rows (a mask; 6 rows: a block of 4 and one of
-    2), for one decode row over real slots (no mask), and over codes gathered by an eviction (key groups per
-    slot)."""
+    """lowbit_cpu.c reads codes of head_dim 64/128 at 2/4 bits with value groups of a multiple of 16 channels
+    through a hand-vectorised split (vector_rows, query rows in blocks of 4), other shapes (8 bits, value groups
+    of 8) through the generic one: each equals attention over the dequantized tokens, for a padded batch with
+    several query rows (a mask; 6 rows: a block of 4 and one of 2), for one decode row over real slots (no mask),
+    and over codes gathered by an eviction (key groups per slot)."""
     from kvpress.kernels import lowbit_native
 
     torch.manual_seed(dim + bits + group)

@@ -1,10 +1,11 @@
-/* Attention over bit-packed KIVI / GEAR codes on CPU, one call per layer: each packed row is unpacked into a small
- * stack buffer and used at once (keys: dot products with the scaled queries; values: accumulated under the
- * probabilities), so no full-precision copy of the codes is ever written to memory. Work items are (head, split
- * of the slots) and each head's full-precision tail (the layer's newest tokens); each returns its online-softmax
- * partial (max, sum, accumulator), merged in torch (online_softmax.merge_splits). GEAR's low-rank term and
- * outliers enter in the same pass. Built on first use by kvpress/kernels/lowbit_native.py; the torch reference
- * with the same inputs is `codes_domain_attention_state` in quant_attention.py.
+/* Attention over bit-packed KIVI / GEAR codes on CPU, one call per layer: each packed row is unpacked (into
+ * registers, or a small stack buffer for the generic shapes) and used at once (keys: dot products with the
+ * scaled queries; values: accumulated under the probabilities), so no full-precision copy of the codes is ever
+ * written to memory. Work items are (head, split of the slots) and each head's full-precision tail (the layer's
+ * newest tokens); each leaves its online-softmax partial (max, sum, accumulator), and the call returns them
+ * merged. GEAR's low-rank term and outliers enter in the same pass. Built on first use by
+ * kvpress/kernels/lowbit_native.py; the torch reference with the same inputs is `codes_domain_attention_state`
+ * in quant_attention.py.
  *
  * Layout (contiguous): codes uint8 [BH, T, D * bits / 8], channel j * (8 / bits) + i is code i of byte j (low
  * bits first); fp16 key scale/min [BH, Ng, D] (per channel, per key group of slots: slot / group, or the
@@ -203,7 +204,7 @@ static void gear_value_low_rank(const gear_terms *gear, int64_t dh, const int64_
         }
 }
 
-static inline __attribute__((always_inline)) void one_split(const uint8_t *k_codes, const _Float16 *k_scale, const _Float16 *k_min, const int32_t *k_group,
+static void one_split(const uint8_t *k_codes, const _Float16 *k_scale, const _Float16 *k_min, const int32_t *k_group,
                       const uint8_t *v_codes, const _Float16 *v_scale, const _Float16 *v_min, const float *query,
                       const uint8_t *allowed, float scaling, float *m_out, float *l_out, float *acc_out,
                       int64_t length, int64_t n_groups, int64_t dim, int64_t rows, int64_t group, int64_t n_chan,
@@ -601,18 +602,10 @@ int lowbit_attention(const uint8_t *k_codes, const _Float16 *k_scale, const _Flo
             }
         }
         else if (s < splits) {
-            /* one copy of the split per common (head_dim, bits), each with its loops' bounds known to the
-             * compiler (fully unrolled and vectorised), and a generic one */
-#define SPLIT(DIM, BITS)                                                                                       \
-    one_split(k_codes, k_scale, k_min, k_group, v_codes, v_scale, v_min, query, allowed, scaling,               \
-              m_part + item * rows, l_part + item * rows, acc_part + item * rows * dim, length, n_groups, DIM, rows, \
-              group, n_chan, BITS, at, gear, p, met)
-            if (dim == 64 && bits == 4) SPLIT(64, 4);
-            else if (dim == 64 && bits == 2) SPLIT(64, 2);
-            else if (dim == 128 && bits == 4) SPLIT(128, 4);
-            else if (dim == 128 && bits == 2) SPLIT(128, 2);
-            else SPLIT(dim, bits);
-#undef SPLIT
+            /* the generic split: any head_dim, 8 bits, narrow value groups, GEAR ranks above 4 */
+            one_split(k_codes, k_scale, k_min, k_group, v_codes, v_scale, v_min, query, allowed, scaling,
+                      m_part + item * rows, l_part + item * rows, acc_part + item * rows * dim, length, n_groups, dim,
+                      rows, group, n_chan, bits, at, gear, p, met);
         }
         else
             tail_split(query, tail_keys, tail_values, tail_allowed, scaling, m_part + item * rows,
