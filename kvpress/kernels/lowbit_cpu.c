@@ -141,9 +141,13 @@ typedef struct {
     const int64_t *entries;
 } span;
 
+/* GEAR's helpers are called per chunk, per outlier entry or once per split: kept out of line, so the copies
+ * of the vectorised split do not each inline them (that tripled the build time) */
+#define OUT_OF_LINE static __attribute__((noinline))
+
 /* GEAR: query rows q [R, D] times a chunk's key basis [D, rank] -> qb [R, rank] */
-static inline void gear_query_basis(const float *q, const _Float16 *basis, int64_t rows, int64_t dim, int64_t rank,
-                                    float *qb) {
+OUT_OF_LINE void gear_query_basis(const float *q, const _Float16 *basis, int64_t rows, int64_t dim, int64_t rank,
+                                  float *qb) {
     memset(qb, 0, sizeof(float) * rows * rank);
     for (int64_t r = 0; r < rows; ++r)
         for (int64_t d = 0; d < dim; ++d)
@@ -152,10 +156,10 @@ static inline void gear_query_basis(const float *q, const _Float16 *basis, int64
 
 /* GEAR: each key outlier of the split's head in its slots [t0, t1): its exact value instead of the
  * approximation, in the logits p [R, n] of query rows q [R, D] */
-static void gear_key_outliers(const gear_terms *gear, span at, const uint8_t *k_codes, const _Float16 *k_scale,
-                              const _Float16 *k_min, const int32_t *groups, int64_t group, int64_t length,
-                              int64_t n_groups, int64_t dim, int bits, const float *q, int64_t rows, float scaling,
-                              float *p, int64_t n) {
+OUT_OF_LINE void gear_key_outliers(const gear_terms *gear, span at, const uint8_t *k_codes, const _Float16 *k_scale,
+                                   const _Float16 *k_min, const int32_t *groups, int64_t group, int64_t length,
+                                   int64_t n_groups, int64_t dim, int bits, const float *q, int64_t rows, float scaling,
+                                   float *p, int64_t n) {
     const int64_t dh = at.dh, rank = gear->rank, row_bytes = dim * bits / 8, per_byte = 8 / bits;
     for (int64_t i = at.e0; i < at.e1; ++i) {
         const int64_t e = at.entries ? at.entries[i] : i;
@@ -176,9 +180,9 @@ static void gear_key_outliers(const gear_terms *gear, span at, const uint8_t *k_
 
 /* GEAR: slot `at_slot` (dh * length + t) of chunk c, its codes unpacked in `code` [D] and its value groups'
  * scale/min: each value outlier's exact value instead of the approximation, under `weight`, into o [D] */
-static inline void gear_value_outliers(const gear_terms *gear, int64_t at_slot, int64_t dh, int64_t c,
-                                       const float *code, const _Float16 *sc, const _Float16 *mn, int64_t width,
-                                       int64_t dim, float weight, float *o) {
+OUT_OF_LINE void gear_value_outliers(const gear_terms *gear, int64_t at_slot, int64_t dh, int64_t c,
+                                     const float *code, const _Float16 *sc, const _Float16 *mn, int64_t width,
+                                     int64_t dim, float weight, float *o) {
     const int64_t rank = gear->rank;
     const _Float16 *lr = gear->v_lr + at_slot * rank;
     for (int64_t e = 0; e < gear->n_v; ++e) {
@@ -191,8 +195,8 @@ static inline void gear_value_outliers(const gear_terms *gear, int64_t at_slot, 
 
 /* GEAR: the values' low-rank part, per chunk met (the probabilities times its slots' row factors, by_chunk
  * [n_met, R, rank]) times the chunk's value basis, added to acc [R, D] */
-static void gear_value_low_rank(const gear_terms *gear, int64_t dh, const int64_t *met, int64_t n_met,
-                                const float *by_chunk, int64_t rows, int64_t dim, float *acc) {
+OUT_OF_LINE void gear_value_low_rank(const gear_terms *gear, int64_t dh, const int64_t *met, int64_t n_met,
+                                     const float *by_chunk, int64_t rows, int64_t dim, float *acc) {
     const int64_t rank = gear->rank;
     for (int64_t r = 0; r < rows; ++r)
         for (int64_t d = 0; d < dim; ++d) {
@@ -459,7 +463,8 @@ static inline __attribute__((always_inline)) void vector_rows(
     for (int64_t t = t0; t < t1; ++t) {
         if (with_gear && (at_chunk < 0 || met[at_chunk] != gear->chunk[dh * length + t])) {
             if (at_chunk >= 0)
-                for (int r = 0; r < RB; ++r) memcpy(by_chunk + (at_chunk * RB + r) * rank, &by_chunk_now[r], sizeof(float) * rank);
+                for (int r = 0; r < RB; ++r)
+                    memcpy(by_chunk + (at_chunk * RB + r) * rank, &by_chunk_now[r], sizeof(float) * rank);
             ++at_chunk;
             for (int r = 0; r < RB; ++r) by_chunk_now[r] = (v4f){0};
         }
@@ -491,7 +496,8 @@ static inline __attribute__((always_inline)) void vector_rows(
         }
     }
     if (with_gear && at_chunk >= 0)
-        for (int r = 0; r < RB; ++r) memcpy(by_chunk + (at_chunk * RB + r) * rank, &by_chunk_now[r], sizeof(float) * rank);
+        for (int r = 0; r < RB; ++r)
+            memcpy(by_chunk + (at_chunk * RB + r) * rank, &by_chunk_now[r], sizeof(float) * rank);
     for (int r = 0; r < RB; ++r)
         for (int v = 0; v < nv; ++v) {
             v16f out = acc[r][v] + low[r][16 * v / width];
@@ -536,7 +542,7 @@ int lowbit_attention(const uint8_t *k_codes, const _Float16 *k_scale, const _Flo
             free(entries), free(first), free(owner), free(m_part);
             return -1;
         }
-        for (int64_t e = 0; e < n_k; ++e) { /* the run holding the entry's slot: the last one starting at or before it */
+        for (int64_t e = 0; e < n_k; ++e) { /* the run holding its slot: the last one starting at or before it */
             const int64_t slot = gear->k_out_slot[e];
             int64_t lo = 0, hi = heads - 1;
             while (lo < hi) {
