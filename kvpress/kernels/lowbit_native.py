@@ -1,6 +1,6 @@
 """The CPU kernel of lowbit_cpu.c (attention over slot-ordered KIVI or GEAR codes): compiled once per machine
 with the system C compiler into ~/.cache/kvpress/native (the file name holds the source's hash, so an edit
-rebuilds), loaded with ctypes, run on torch's OpenMP thread pool (the library links the libgomp that torch has
+rebuilds; about 15 s with GCC 12, on the first low-bit read), loaded with ctypes, run on torch's OpenMP thread pool (the library links the libgomp that torch has
 already loaded).
 
 `available()` is False where no compiler works (a warning says why, once); `lowbit_attention_state` in
