@@ -403,8 +403,9 @@ static inline __attribute__((always_inline)) void vector_rows(
     const int32_t *groups = k_group ? k_group + dh * length : NULL;
     const uint8_t *allow = allowed ? allowed + (qh * rows + r0) * at.a_width : NULL; /* [RB, a_width] */
     const float *q = query + (qh * rows + r0) * dim;                              /* [RB, D] */
-    /* GEAR, as in one_split: per chunk met, the rows times its key basis and the probabilities times the slots'
-     * row factors ([n, RB, rank] each); the current chunk's as vectors of the rank (in registers) */
+    /* GEAR: the current chunk's rows times its key basis (q_basis [RB, rank], scratch: only the vectors taken
+     * from it are read) and, as in one_split, per chunk met the probabilities times the slots' row factors
+     * (by_chunk [n, RB, rank], read by gear_value_low_rank) */
     float *q_basis = p + RB * n, *by_chunk = q_basis + n * RB * rank;
     int64_t n_met = 0;
     v4f q_basis_now[MAX_ROW_BLOCK];
@@ -431,9 +432,8 @@ static inline __attribute__((always_inline)) void vector_rows(
         unpack_vectors(k_codes + (dh * length + t) * row_bytes, dim, bits, code);
         if (with_gear && (n_met == 0 || met[n_met - 1] != gear->chunk[dh * length + t])) {
             const int64_t c = gear->chunk[dh * length + t];
-            float *qb = q_basis + n_met * RB * rank;
-            gear_query_basis(q, gear->k_basis + (dh * n_chunks + c) * dim * rank, RB, dim, rank, qb);
-            for (int r = 0; r < RB; ++r) q_basis_now[r] = rank_vector(qb + r * rank, rank);
+            gear_query_basis(q, gear->k_basis + (dh * n_chunks + c) * dim * rank, RB, dim, rank, q_basis);
+            for (int r = 0; r < RB; ++r) q_basis_now[r] = rank_vector(q_basis + r * rank, rank);
             met[n_met++] = c;
         }
         const v4f factors = with_gear ? rank_vector_half(gear->k_lr + (dh * length + t) * rank, rank) : (v4f){0};
@@ -490,8 +490,8 @@ static inline __attribute__((always_inline)) void vector_rows(
             for (int r = 0; r < RB; ++r) {
                 by_chunk_now[r] += weight[r] * factors;
                 if (gear->n_v && weight[r] != 0.0f)
-                    gear_value_outliers(gear, dh * length + t, dh, gear->chunk[dh * length + t], unpacked, sc, mn,
-                                        width, dim, weight[r], outliers[r]);
+                    gear_value_outliers(gear, dh * length + t, dh, met[at_chunk], unpacked, sc, mn, width, dim,
+                                        weight[r], outliers[r]);
             }
         }
     }
