@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import time
-from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -84,7 +83,7 @@ def memory_table(n=8192, heads=HKV, dim=D):
     def run(label, policies, theory):
         layer = KVPressLayer()
         layer.update(k, v)
-        ctx = Context(module=SimpleNamespace(layer_idx=0), layer=layer, phase="prefill", query=q[:, :, -64:],
+        ctx = Context(layer_idx=0, layer=layer, phase="prefill", query=q[:, :, -64:],
                       scaling=dim ** -0.5)
         for p in policies:
             p.observe(ctx)

@@ -14,17 +14,14 @@ sample of replay queries, the relative change of each KV head's attention output
 `sink` tokens and the `window` newest ones. Reconstructing the context needs the heads that look far back; heads
 whose output barely changes are streaming heads.
 
-The file is safetensors (tensors + JSON metadata: the model's identity, the settings, held-out metrics); it cannot
-run code when loaded. A file made for another model is refused.
+The file itself (format, identity check, prediction) is kvpress/formats/calibration.py.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import importlib
 import inspect
-import json
 import math
 import random
 import time
@@ -33,8 +30,8 @@ from pathlib import Path
 
 import torch
 
-FORMAT = "kvpress-calibration-1"
-FILE_NAME = "kvpress_calibration.safetensors"  # beside the model's weights: the default place policies look
+from .formats.calibration import FILE_NAME, Calibration, model_identity  # noqa: F401 (this module's public names)
+
 LOG_FLOOR = 1e-6  # KVzip scores are probabilities; log(score) is fitted, floored here
 
 # Standard-library modules whose docstrings make the calibration prose (local, deterministic per Python version).
@@ -97,110 +94,6 @@ def calibration_texts(tokenizer, n_texts: int, n_tokens: int, seed: int = 0) -> 
         else:
             out.append(list(tokenizer.encode(document)))
     return out
-
-
-# ---------------------------------------------------------------------------- identity
-def model_identity(model) -> dict:
-    """What a calibration file must match: the architecture's shape and a fingerprint of the weights (the first
-    rows of the input embedding, rounded to bf16 so fp32 and bf16 loads of one checkpoint agree)."""
-    config = model.config.get_text_config(decoder=True)
-    embed = model.get_input_embeddings().weight.detach()[:256].to("cpu", torch.bfloat16).contiguous()
-    digest = hashlib.sha256(embed.view(torch.int16).numpy().tobytes()).hexdigest()[:16]
-    return dict(model_type=config.model_type, layers=config.num_hidden_layers, hidden_size=config.hidden_size,
-                kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
-                weights=digest)
-
-
-def _source(model) -> str:
-    return getattr(model.config, "_name_or_path", "") or "<the model's folder>"
-
-
-def default_path(model) -> Path | None:
-    """Where a model's calibration file lives by default: beside its weights (None if it has no local folder)."""
-    folder = Path(_source(model))
-    return folder / FILE_NAME if folder.is_dir() else None
-
-
-# ---------------------------------------------------------------------------- the file
-@dataclass
-class Calibration:
-    """A per-layer predictor of KVzip scores and a per-head streaming error, for one model."""
-
-    layers: list  # layer indices (the layers kvpress compresses), in order
-    kind: str  # 'linear' | 'mlp'
-    tensors: dict  # linear: weight [L, H, K], bias [L, K]; mlp: w1 [L, H, M], b1 [L, M], w2 [L, M, K], b2 [L, K]
-    head_error: torch.Tensor  # [L, K] relative change of each head's output when it reads sinks + window only
-    identity: dict
-    settings: dict = field(default_factory=dict)
-    metrics: dict = field(default_factory=dict)
-    # per-layer predictor weights per device, moved there on first use (not at every decode step)
-    _placed: dict = field(default_factory=dict, repr=False, compare=False)
-
-    def predict(self, layer_idx: int, hidden: torch.Tensor) -> torch.Tensor:
-        """Predicted log KVzip score [B, K, T] (fp32) of tokens whose attention input is `hidden` [B, T, H]."""
-        x = hidden.float()
-        key = (layer_idx, x.device)
-        if key not in self._placed:
-            rank = self.layers.index(layer_idx)
-            self._placed[key] = {name: value[rank].to(x.device) for name, value in self.tensors.items()}
-        t = self._placed[key]
-        if self.kind == "linear":
-            out = x @ t["weight"] + t["bias"]
-        else:
-            out = torch.nn.functional.gelu(x @ t["w1"] + t["b1"]) @ t["w2"] + t["b2"]
-        return out.transpose(1, 2)
-
-    def streaming_heads(self, fraction: float) -> dict:
-        """{layer_idx: [K] bool}: the `fraction` of all (layer, KV head) pairs with the smallest streaming error."""
-        flat = self.head_error.flatten()
-        n = int(round(fraction * flat.numel()))
-        chosen = torch.zeros(flat.numel(), dtype=torch.bool)
-        chosen[flat.argsort(stable=True)[:n]] = True
-        chosen = chosen.view_as(self.head_error)
-        return {layer: chosen[i] for i, layer in enumerate(self.layers)}
-
-    def save(self, path) -> None:
-        from safetensors.torch import save_file
-
-        tensors = {name: t.contiguous().float() for name, t in self.tensors.items()}
-        tensors["head_error"] = self.head_error.contiguous().float()
-        meta = dict(format=FORMAT, kind=self.kind, layers=self.layers, identity=self.identity,
-                    settings=self.settings, metrics=self.metrics)
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, str(path), metadata={"kvpress": json.dumps(meta)})
-
-    @classmethod
-    def load(cls, path) -> "Calibration":
-        from safetensors import safe_open
-
-        with safe_open(str(path), framework="pt") as f:
-            meta = json.loads((f.metadata() or {}).get("kvpress", "{}"))
-            if meta.get("format") != FORMAT:
-                raise ValueError(f"calibration={str(path)!r} is not a kvpress calibration file ({FORMAT}); make one "
-                                 f"with `kvpress calibrate --model <model> --out {path}`")
-            tensors = {name: f.get_tensor(name) for name in f.keys()}
-        head_error = tensors.pop("head_error")
-        return cls(meta["layers"], meta["kind"], tensors, head_error, meta["identity"], meta.get("settings", {}),
-                   meta.get("metrics", {}))
-
-    @classmethod
-    def for_model(cls, model, path=None, layers=None) -> "Calibration":
-        """The calibration of `model` from `path` (default: beside its weights), checked against the model; a missing
-        or mismatched file is a ValueError that names the command making the right one."""
-        path = Path(path) if path is not None else default_path(model)
-        command = f"kvpress calibrate --model {_source(model)}" + (f" --out {path}" if path is not None else "")
-        if path is None or not path.exists():
-            raise ValueError(f"calibration={None if path is None else str(path)!r}: no calibration file for this model; "
-                             f"make one with `{command}` (minutes on a CPU) or pass calibration=<file>")
-        calibration = cls.load(path)
-        identity = model_identity(model)
-        if calibration.identity != identity:
-            raise ValueError(f"calibration={str(path)!r} was made for another model ({calibration.identity}, this one "
-                             f"is {identity}); make this model's with `{command}`")
-        if layers is not None and list(layers) != calibration.layers:
-            raise ValueError(f"calibration={str(path)!r} covers layers {calibration.layers}, the model compresses "
-                             f"{list(layers)}; make this model's with `{command}`")
-        return calibration
 
 
 # ---------------------------------------------------------------------------- collecting KVzip's scores
@@ -372,7 +265,8 @@ def calibrate(model, tokenizer, kind: str = "linear", target: str = "kvzip", n_t
         raise ValueError(f"n_texts={n_texts!r}, held_out={held_out!r}; allowed values: ints with 1 <= held_out < n_texts")
     start = time.perf_counter()
     texts = calibration_texts(tokenizer, n_texts, n_tokens, seed)
-    log(f"calibrating {_source(model)}: KVzip over {n_texts} local texts of ~{n_tokens} tokens")
+    source = getattr(model.config, "_name_or_path", "") or type(model).__name__
+    log(f"calibrating {source}: KVzip over {n_texts} local texts of ~{n_tokens} tokens")
     records = collect(model, tokenizer, texts, target, head_sink=n_sink, head_window=head_window, log=log)
     settings = dict(target=target, texts=n_texts, tokens=n_tokens, head_window=head_window, seed=seed,
                     source="stdlib docstrings + needle haystack + random facts")

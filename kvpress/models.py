@@ -18,6 +18,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from .formats.calibration import FILE_NAME, LEGACY_FILE_NAME
+
 CACHE_ENV = "KVPRESS_MODELS_DIR"
 
 
@@ -163,11 +165,15 @@ def prepare(name: str) -> Path:
 
 def install_calibration(name: str) -> None:
     """Put the calibration file shipped with kvpress for this model (kvpress/calibrations/<name>.safetensors, made
-    by `kvpress calibrate --model <name>`) beside its weights, where kvzap and duo_attention look by default."""
-    from .calibration import FILE_NAME
-
+    by `kvpress calibrate --model <name>`) beside its weights, where kvzap and duo_attention look by default. A file
+    under the legacy name (a `.safetensors` suffix, which vLLM would load as weights) is renamed first."""
     shipped = Path(__file__).parent / "calibrations" / f"{name}.safetensors"
     target = model_path(name) / FILE_NAME
+    legacy = model_path(name) / LEGACY_FILE_NAME
+    if legacy.exists() and not target.exists():
+        legacy.rename(target)
+        print(f"[kvpress] {name}: calibration renamed {legacy.name} -> {target.name} (serving engines load every "
+              f"*.safetensors beside the weights)")
     if not shipped.exists():
         return
     if not target.exists():

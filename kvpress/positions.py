@@ -9,9 +9,11 @@ once per attention module at patch time, only for policies that declare they nee
 
 from __future__ import annotations
 
+import importlib
 import inspect
 
 import torch
+from transformers.models.auto.configuration_auto import model_type_to_module_name
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -67,6 +69,24 @@ class Rotary:
             raise ValueError(f"model: {type(model).__name__} has {len(embeddings)} rotary embedding modules; "
                              f"policies that need RoPE (re-rotation, pre-RoPE queries) need exactly one")
         return cls(embeddings[0], getattr(module, "layer_type", None))
+
+    @classmethod
+    def from_config(cls, config, layer_type: str | None = None) -> "Rotary":
+        """The RoPE that a transformers model built from `config` runs, without the model: for a serving engine,
+        whose own rotary implementation kvpress does not read. transformers' rotary class of that architecture is
+        built from the config, so the cos/sin are the ones the transformers path computes."""
+        config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        name = config.model_type
+        folder = model_type_to_module_name(name)  # e.g. gemma3_text -> gemma3
+        try:
+            module = importlib.import_module(f"transformers.models.{folder}.modeling_{folder}")
+        except ImportError:
+            module = None
+        classes = [c for n, c in vars(module or object).items() if n.endswith("RotaryEmbedding") and isinstance(c, type)]
+        if len(classes) != 1:
+            raise ValueError(f"model_type={name!r}: transformers has {len(classes)} rotary embedding classes for it; "
+                             f"policies that need RoPE (pre-RoPE queries, re-rotation) need exactly one")
+        return cls(classes[0](config=config), layer_type)
 
     def cos_sin(self, positions: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [B, n, rot] at RoPE positions [B, n] (fp32 for fp32 `like`, else its dtype)."""

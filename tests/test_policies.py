@@ -20,7 +20,7 @@ G = HQ // HKV
 def prefill(policy, q, k, valid=None, layer_idx=0):
     layer = KVPressLayer()
     layer.update(k, torch.randn_like(k), new_valid=valid)
-    ctx = Context(module=SimpleNamespace(layer_idx=layer_idx), layer=layer, phase="prefill", query=q,
+    ctx = Context(layer_idx=layer_idx, layer=layer, phase="prefill", query=q,
                   scaling=q.shape[-1] ** -0.5)
     policy.observe(ctx)
     policy.on_prefill(ctx)
@@ -190,7 +190,7 @@ def test_padded_row_compresses_its_own_tokens(name):
     policy = ALL[name](compression_ratio=0.5)
     alone_layer = KVPressLayer()
     alone_layer.update(k[:, :, P:], torch.randn_like(k[:, :, P:]))
-    ctx = Context(module=SimpleNamespace(layer_idx=0), layer=alone_layer, phase="prefill", query=q[:, :, P:],
+    ctx = Context(layer_idx=0, layer=alone_layer, phase="prefill", query=q[:, :, P:],
                   scaling=D ** -0.5)
     n_keep = torch.full((1, HKV), (L - P) - (L - P) // 2)
     policy.observe(ctx)

@@ -15,6 +15,7 @@ import numbers
 import threading
 import weakref
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -30,6 +31,7 @@ from ..kernels.sparse_attention import Selection
 from ..policies import Context, Policy, resolve_policy
 from ..policies.base import ModelInfo, ModelPass
 from ..heads import SINGLE, HeadShards
+from ..formats.calibration import model_identity
 from ..positions import Rotary
 
 SUPPORTED_BASES = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")
@@ -110,7 +112,7 @@ def kvpress_attention(module, query, key, value, attention_mask, **kwargs):
     else:
         phase = "decode" if layer.last_q_len == 1 else "extend"
     ctx = Context(
-        module=module, layer=layer, phase=phase, query=query,
+        module=module, layer_idx=module.layer_idx, layer=layer, phase=phase, query=query,
         scaling=kwargs.get("scaling", getattr(module, "scaling", query.shape[-1] ** -0.5)),
         softcap=kwargs.get("softcap"), sliding_window=kwargs.get("sliding_window"),
         prompt_tokens=prompt_tokens, prompt_length=prompt_length, observers=cache.observers,
@@ -602,13 +604,23 @@ def patch_model(model, policy: str | Policy | None = "none", prefill_chunk_size:
         raise ValueError(f"attn_implementation={base!r} cannot be wrapped; allowed values: {list(SUPPORTED_BASES)}")
     text_config = model.config.get_text_config(decoder=True)
     head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
-    info = ModelInfo(model, modules, head_dim)
+    info = model_info(model, modules, head_dim)
     policy = policy.for_model(info)
     try:
-        rotaries = [info.rotary(m) if policy.needs().rotary else None for m in modules]
+        rotaries = [info.rotary(m.layer_idx) if policy.needs().rotary else None for m in modules]
     except ValueError as e:
         raise ValueError(f"policy {policy.describe()} needs the model's rotary embedding (RoPE): {e}") from None
     return Patch(model, policy, base, modules, rotaries, prefill_chunk_size, question_tokens)
+
+
+def model_info(model, modules, head_dim: int) -> ModelInfo:
+    """What policies see of a transformers model before it is patched (Policy.for_model)."""
+    by_index = {m.layer_idx: m for m in modules}
+    source = getattr(model.config, "_name_or_path", "")  # the folder it was loaded from, a hub name, or nothing
+    folder = Path(source) if source and Path(source).is_dir() else None
+    return ModelInfo(config=model.config.get_text_config(decoder=True), layers=list(by_index), head_dim=head_dim,
+                     identity=lambda: model_identity(model), folder=folder,
+                     rotary=lambda i: Rotary.of(model, by_index[i]), model=model, modules=modules)
 
 
 def _check_chunk_size(chunk, policy: Policy) -> None:

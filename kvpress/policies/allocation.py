@@ -29,6 +29,16 @@ def validate_allocation(owner: str, allocation, floor, beta, allowed=ALLOCATIONS
         raise ValueError(f"{owner}: pyramid_beta={beta!r}; allowed values: a number > 1")
 
 
+def whole_pages(budget: torch.Tensor, n_real: torch.Tensor, page_size: int) -> torch.Tensor:
+    """The budget [B] a paged engine keeps: raised (by fewer than `page_size` tokens) until the tokens it evicts
+    from each row's `n_real` prompt tokens fill whole pages, so every evicted page can go back to the pool. A
+    budget at or above the prompt keeps it all. page_size 1 (no pages) leaves the budget as it is."""
+    if page_size == 1:
+        return budget
+    evicted = (n_real - budget).clamp(min=0) // page_size * page_size
+    return n_real - evicted
+
+
 def pyramid_budgets(mean_budget: torch.Tensor, n_real: torch.Tensor, n_layers: int, window: int,
                     beta: float) -> torch.Tensor:
     """[n_layers, B] tokens per KV head in each layer; per row the sum over layers is n_layers * mean_budget.

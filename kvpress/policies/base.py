@@ -28,13 +28,16 @@ import dataclasses
 import math
 import numbers
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, ClassVar
 
 import torch
 
 from ..heads import SINGLE, HeadShards
+from ..positions import Rotary, unrotate
 from ..kernels import attention_probs, attention_column_sums
-from .allocation import adaptive_head_budgets, comparable, global_budgets, pyramid_budgets, validate_allocation
+from .allocation import (adaptive_head_budgets, comparable, global_budgets, pyramid_budgets, validate_allocation,
+                         whole_pages)
 
 
 # ---------------------------------------------------------------------------- declarations
@@ -61,11 +64,13 @@ class Needs:
 class Context:
     """What a policy hook sees for one attention layer in one forward."""
 
-    module: torch.nn.Module
     layer: "KVPressLayer"  # noqa: F821
     phase: str  # "prefill" | "decode" | "extend"
     query: torch.Tensor  # [B, Hq, q_len, D], post-RoPE
     scaling: float
+    layer_idx: int  # the model's index of this attention layer
+    # the transformers attention module (None where a serving engine calls the policy with plain tensors)
+    module: torch.nn.Module | None = None
     softcap: float | None = None
     sliding_window: int | None = None
     # (rank of this layer, number of layers) among the layers kvpress compresses, for layer-wise budgets
@@ -77,10 +82,13 @@ class Context:
     observers: int = 0  # this forward's last tokens are observation queries (a known question), dropped after it
     rope_positions: torch.Tensor | None = None  # [B, q_len] RoPE positions of the query rows (None: seen-based)
     # Provided only to policies that declare the need (Needs):
-    rotary: "Rotary | None" = None  # noqa: F821  kvpress.positions.Rotary of this layer
+    rotary: Rotary | None = None  # of this layer
     hidden_states: torch.Tensor | None = None  # [B, q_len, hidden] the attention module's input
     probs: torch.Tensor | None = None  # [B, Hq, q_len, T] fp32, when the attention pass computed them
     shards: HeadShards = SINGLE  # the block of heads this process holds (all_heads; otherwise all of them)
+    # A paged engine frees whole pages of this many tokens: budgets are raised until the evicted count is a multiple
+    # of it (allocation.whole_pages); 1 everywhere else
+    page_size: int = 1
 
     @property
     def keys(self) -> torch.Tensor:
@@ -99,10 +107,6 @@ class Context:
     def group_size(self) -> int:
         return self.query.shape[1] // self.layer.num_kv_heads
 
-    @property
-    def layer_idx(self) -> int:
-        return self.module.layer_idx
-
     def query_rope_positions(self) -> torch.Tensor:
         """[B, q_len] RoPE positions of this forward's query rows."""
         if self.rope_positions is not None:
@@ -111,8 +115,6 @@ class Context:
 
     def pre_rope_query(self) -> torch.Tensor:
         """fp32 [B, Hq, q_len, D]: this forward's queries before RoPE (needs rotary)."""
-        from ..positions import unrotate
-
         positions = self.query_rope_positions()
         cos, sin = self.rotary.cos_sin(positions, self.query.new_empty(0, dtype=torch.float32))
         return unrotate(self.query, cos, sin)
@@ -164,17 +166,17 @@ class Context:
 
 @dataclass
 class ModelInfo:
-    """The model a policy is patched into, as policies see it before patching."""
+    """The model a policy will serve, as policies see it before it runs (Policy.for_model): a transformers model that
+    patch_model wraps, or a model a serving engine runs (its config and weights, no transformers modules)."""
 
-    model: torch.nn.Module
-    modules: list  # the attention modules kvpress serves
+    config: object  # the decoder's transformers config
+    layers: list  # indices of the attention layers kvpress compresses, in order
     head_dim: int
-
-    def rotary(self, module) -> "Rotary":  # noqa: F821
-        """The RoPE of one attention module (ValueError if the model has no single rotary embedding)."""
-        from ..positions import Rotary
-
-        return Rotary.of(self.model, module)
+    identity: Callable[[], dict]  # () -> the weights' identity (formats/calibration.identity_of), when asked
+    folder: Path | None  # the folder of the weights (calibration files sit beside them); None when not local
+    rotary: Callable[[int], Rotary]  # layer index -> its RoPE (ValueError when the model has none kvpress can use)
+    model: torch.nn.Module | None = None  # the transformers model (None in a serving engine)
+    modules: list | None = None  # its attention modules, in layer order (None in a serving engine)
 
 
 @dataclass
@@ -379,6 +381,12 @@ class Policy:
         """Whether key_view returns other keys than the stored ones (attention then reads those)."""
         return False
 
+    def query_rows(self) -> int | None:
+        """How many of a prompt's last query rows on_prefill reads (0: none, None: all of them). A serving engine
+        that sees a long prompt in chunks keeps just these rows until the prompt's last chunk (observe sees
+        every chunk's rows as they pass)."""
+        return None
+
     def parts(self) -> list["Policy"]:
         """The policies this one is made of (a composition's evictor and codec), or itself."""
         return [self]
@@ -546,7 +554,7 @@ class ScorerPolicy(BudgetPolicy):
         if self.budget_allocation == "pyramid" and ctx.budget_layer is not None:
             rank, n_layers = ctx.budget_layer
             budget = pyramid_budgets(budget, n_real, n_layers, self.kept_window, self.pyramid_beta)[rank]
-        return budget
+        return whole_pages(budget, n_real, ctx.page_size)
 
     def start_budget(self, ctx: Context) -> None:
         """Fix this layer's budget at prefill and mark where generated tokens will begin."""

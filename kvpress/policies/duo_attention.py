@@ -17,6 +17,7 @@ from typing import ClassVar
 
 import torch
 
+from ..formats.calibration import Calibration
 from ..heads import HeadShards
 from .base import Context, ModelInfo, Policy, first_slots, last_slots, select_kept
 from .registry import register
@@ -46,11 +47,9 @@ class DuoAttention(Policy):
             raise ValueError(f"duo_attention: window={self.window!r}; allowed values: an int >= 1")
 
     def for_model(self, model: ModelInfo) -> "DuoAttention":
-        from ..calibration import Calibration
-
         if self.heads is not None:
             return self
-        calibration = Calibration.for_model(model.model, self.calibration, [m.layer_idx for m in model.modules])
+        calibration = Calibration.for_model(model, self.calibration)
         return dataclasses.replace(self, heads=calibration.streaming_heads(self.streaming_heads))
 
     def on_prefill(self, ctx: Context) -> None:

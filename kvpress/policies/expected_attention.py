@@ -49,6 +49,9 @@ class ExpectedAttention(ScorerPolicy):
         if not isinstance(self.epsilon, (int, float)) or self.epsilon < 0:
             raise ValueError(f"expected_attention: epsilon={self.epsilon!r}; allowed values: a number >= 0")
 
+    def query_rows(self) -> int:
+        return 1  # the last row's position (the statistics come from every row, through observe)
+
     def needs(self) -> Needs:
         return super().needs() | Needs(rotary=True)
 

@@ -30,6 +30,9 @@ class H2O(ScorerPolicy):
                 f"h2o: budget={self.budget} is smaller than recent={self.recent}; allowed values: budget >= recent"
             )
 
+    def query_rows(self) -> int:
+        return 0  # observe sums every row's attention as the rows pass
+
     def needs(self) -> Needs:
         return super().needs() | Needs(probabilities=True)
 

@@ -20,6 +20,9 @@ from .registry import register
 class KeyDiff(ScorerPolicy):
     name = "keydiff"
 
+    def query_rows(self) -> int:
+        return 0  # keys alone
+
     def score(self, ctx: Context) -> torch.Tensor:
         keys = ctx.keys.float()
         valid = ctx.layer.key_valid()[..., None]

@@ -11,5 +11,8 @@ class Knorm(ScorerPolicy):
 
     name = "knorm"
 
+    def query_rows(self) -> int:
+        return 0  # keys alone
+
     def score(self, ctx: Context):
         return -ctx.keys.float().norm(dim=-1)

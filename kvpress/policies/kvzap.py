@@ -26,6 +26,7 @@ from typing import ClassVar
 
 import torch
 
+from ..formats.calibration import Calibration
 from ..heads import HeadShards
 from .base import Context, ModelInfo, ModelPass, Needs, ScorerPolicy, evict_after_prompt, first_slots, last_slots
 from .registry import register
@@ -51,16 +52,16 @@ class KVzap(ScorerPolicy):
             if getattr(self, name) < 0:
                 raise ValueError(f"kvzap: {name}={getattr(self, name)!r}; allowed values: an int >= 0")
 
+    def query_rows(self) -> int:
+        return 0  # predicted from hidden states, through observe
+
     def needs(self) -> Needs:
         return super().needs() | Needs(hidden_states=True, model_pass=self.budget_allocation == "global")
 
     def for_model(self, model: ModelInfo) -> "KVzap":
-        from ..calibration import Calibration
-
         if self.predictor is not None:
             return self
-        layers = [m.layer_idx for m in model.modules]
-        return dataclasses.replace(self, predictor=Calibration.for_model(model.model, self.calibration, layers))
+        return dataclasses.replace(self, predictor=Calibration.for_model(model, self.calibration))
 
     def observe(self, ctx: Context) -> None:
         # predict the new tokens' scores once, when they enter the cache (they sit at the end of the view); after

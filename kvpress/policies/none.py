@@ -10,3 +10,6 @@ class NoCompression(Policy):
     """Keeps every token: the patched model behaves exactly like the unpatched one."""
 
     name = "none"
+
+    def query_rows(self) -> int:
+        return 0

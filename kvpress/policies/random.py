@@ -27,6 +27,9 @@ class RandomPolicy(ScorerPolicy):
     name = "random"
     seed: int = 0
 
+    def query_rows(self) -> int:
+        return 0
+
     def needs(self) -> Needs:
         return super().needs() | Needs(all_heads=True)  # each rank draws its own heads' block
 

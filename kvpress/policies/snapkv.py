@@ -35,6 +35,9 @@ class SnapKV(ScorerPolicy):
                 f"allowed values: budget >= window_size"
             )
 
+    def query_rows(self) -> int:
+        return self.window_size  # the observation window votes
+
     @property
     def kept_window(self) -> int:
         return self.window_size

@@ -43,6 +43,9 @@ class StreamingLLM(ScorerPolicy):
                     f"{self.n_sink} + {window}; allowed values: budget >= n_sink + window with window >= 1"
                 )
 
+    def query_rows(self) -> int:
+        return 0  # positions alone
+
     def score(self, ctx: Context):
         return ctx.layer.key_positions().float()  # newest first, after the protected sinks
 
@@ -71,9 +74,9 @@ class StreamingLLM(ScorerPolicy):
 
     def for_model(self, model):
         if self.cache_local_positions:  # re-rotation needs standard RoPE frequencies: fail before patching
-            for module in model.modules:
+            for layer_idx in model.layers:
                 try:
-                    model.rotary(module).inv_freq()
+                    model.rotary(layer_idx).inv_freq()
                 except ValueError as e:
                     raise ValueError(f"streaming_llm: cache_local_positions=True: {e}; allowed values for this "
                                      f"model: cache_local_positions=False") from None

@@ -14,6 +14,9 @@ class TOVA(ScorerPolicy):
     name = "tova"
     evicts_during_decode: ClassVar[bool] = True
 
+    def query_rows(self) -> int:
+        return 1  # the last query's attention
+
     def needs(self) -> Needs:
         # every step's probabilities come with its attention when every step evicts; with slack, the few steps
         # that cut compute them from the stored keys (Context.attention_probs), and the others read with sdpa

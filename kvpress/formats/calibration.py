@@ -1,0 +1,130 @@
+"""The calibration file: per-layer predictors of KVzip scores and per-head streaming errors for one model, made once
+by `kvpress calibrate` (kvpress/calibration.py) and read by kvzap and duo_attention.
+
+The file is safetensors (tensors + JSON metadata: the model's identity, the settings, held-out metrics); it cannot
+run code when loaded. Its default place is beside the model's weights, under a name that does not end in
+`.safetensors`: serving engines (vLLM) load every `*.safetensors` file of a model folder as weights. A file made for
+another model is refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+FORMAT = "kvpress-calibration-1"
+FILE_NAME = "kvpress_calibration.kvpress"  # beside the model's weights: the default place policies look
+LEGACY_FILE_NAME = "kvpress_calibration.safetensors"  # the name before 0.2; read where FILE_NAME is missing
+
+
+def identity_of(config, embedding: torch.Tensor) -> dict:
+    """What a calibration file must match: the architecture's shape (a transformers config) and a fingerprint of the
+    weights (the first rows of the input embedding, rounded to bf16 so fp32 and bf16 loads of one checkpoint agree)."""
+    config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    rows = embedding.detach()[:256].to("cpu", torch.bfloat16).contiguous()
+    digest = hashlib.sha256(rows.view(torch.int16).numpy().tobytes()).hexdigest()[:16]
+    return dict(model_type=config.model_type, layers=config.num_hidden_layers, hidden_size=config.hidden_size,
+                kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+                weights=digest)
+
+
+def model_identity(model) -> dict:
+    """identity_of a transformers model."""
+    return identity_of(model.config, model.get_input_embeddings().weight)
+
+
+def default_path(folder) -> Path | None:
+    """Where the calibration file of the model in `folder` lives by default (None when it has no local folder): the
+    current name, or the legacy one when only that exists."""
+    if folder is None or not Path(folder).is_dir():
+        return None
+    path = Path(folder) / FILE_NAME
+    legacy = Path(folder) / LEGACY_FILE_NAME
+    return legacy if not path.exists() and legacy.exists() else path
+
+
+@dataclass
+class Calibration:
+    """A per-layer predictor of KVzip scores and a per-head streaming error, for one model."""
+
+    layers: list  # layer indices (the layers kvpress compresses), in order
+    kind: str  # 'linear' | 'mlp'
+    tensors: dict  # linear: weight [L, H, K], bias [L, K]; mlp: w1 [L, H, M], b1 [L, M], w2 [L, M, K], b2 [L, K]
+    head_error: torch.Tensor  # [L, K] relative change of each head's output when it reads sinks + window only
+    identity: dict
+    settings: dict = field(default_factory=dict)
+    metrics: dict = field(default_factory=dict)
+    # per-layer predictor weights per device, moved there on first use (not at every decode step)
+    _placed: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def predict(self, layer_idx: int, hidden: torch.Tensor) -> torch.Tensor:
+        """Predicted log KVzip score [B, K, T] (fp32) of tokens whose attention input is `hidden` [B, T, H]."""
+        x = hidden.float()
+        key = (layer_idx, x.device)
+        if key not in self._placed:
+            rank = self.layers.index(layer_idx)
+            self._placed[key] = {name: value[rank].to(x.device) for name, value in self.tensors.items()}
+        t = self._placed[key]
+        if self.kind == "linear":
+            out = x @ t["weight"] + t["bias"]
+        else:
+            out = torch.nn.functional.gelu(x @ t["w1"] + t["b1"]) @ t["w2"] + t["b2"]
+        return out.transpose(1, 2)
+
+    def streaming_heads(self, fraction: float) -> dict:
+        """{layer_idx: [K] bool}: the `fraction` of all (layer, KV head) pairs with the smallest streaming error."""
+        flat = self.head_error.flatten()
+        n = int(round(fraction * flat.numel()))
+        chosen = torch.zeros(flat.numel(), dtype=torch.bool)
+        chosen[flat.argsort(stable=True)[:n]] = True
+        chosen = chosen.view_as(self.head_error)
+        return {layer: chosen[i] for i, layer in enumerate(self.layers)}
+
+    def save(self, path) -> None:
+        from safetensors.torch import save_file
+
+        tensors = {name: t.contiguous().float() for name, t in self.tensors.items()}
+        tensors["head_error"] = self.head_error.contiguous().float()
+        meta = dict(format=FORMAT, kind=self.kind, layers=self.layers, identity=self.identity,
+                    settings=self.settings, metrics=self.metrics)
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(path), metadata={"kvpress": json.dumps(meta)})
+
+    @classmethod
+    def load(cls, path) -> "Calibration":
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            meta = json.loads((f.metadata() or {}).get("kvpress", "{}"))
+            if meta.get("format") != FORMAT:
+                raise ValueError(f"calibration={str(path)!r} is not a kvpress calibration file ({FORMAT}); make one "
+                                 f"with `kvpress calibrate --model <model> --out {path}`")
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+        head_error = tensors.pop("head_error")
+        return cls(meta["layers"], meta["kind"], tensors, head_error, meta["identity"], meta.get("settings", {}),
+                   meta.get("metrics", {}))
+
+    @classmethod
+    def for_model(cls, model, path=None) -> "Calibration":
+        """The calibration of `model` (a policies.ModelInfo) from `path` (default: beside its weights), checked
+        against the model; a missing or mismatched file is a ValueError that names the command making the right
+        one."""
+        path = Path(path) if path is not None else default_path(model.folder)
+        command = f"kvpress calibrate --model {model.folder or '<the model folder>'}" + (
+            f" --out {path}" if path is not None else "")
+        if path is None or not path.exists():
+            raise ValueError(f"calibration={None if path is None else str(path)!r}: no calibration file for this model; "
+                             f"make one with `{command}` (minutes on a CPU) or pass calibration=<file>")
+        calibration = cls.load(path)
+        identity = model.identity()
+        if calibration.identity != identity:
+            raise ValueError(f"calibration={str(path)!r} was made for another model ({calibration.identity}, this one "
+                             f"is {identity}); make this model's with `{command}`")
+        if list(model.layers) != calibration.layers:
+            raise ValueError(f"calibration={str(path)!r} covers layers {calibration.layers}, the model compresses "
+                             f"{list(model.layers)}; make this model's with `{command}`")
+        return calibration
