@@ -1,0 +1,145 @@
+"""The worker's side of each request, from one step to the next.
+
+vLLM's attention backend sees a step's rows, not its requests: the model runner's hook (worker.py) hands this
+table each step's rows in batch order (request id, prompt length, tokens computed before the step, tokens
+scheduled in it). Per request the table keeps the prompt's PromptCompression while the prompt is computed (one
+or several chunks), then the count of leading tokens it evicted: every later step of that request reads its
+pages from that offset on (backend.py shifts its block-table row and sequence length). A request that starts over
+(recomputed after preemption) starts here over too; a finished or aborted one is forgotten.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ...policies import Policy
+from ..prompts import PromptCompression, evicted_tokens
+
+
+@dataclass(frozen=True)
+class Row:
+    """One request's share of a step."""
+
+    request_id: str
+    prompt_length: int
+    computed: int  # tokens computed before this step
+    scheduled: int  # tokens this step computes
+
+
+@dataclass(frozen=True)
+class PromptWork:
+    """Prompt tokens of one request in this step: every layer adds them to the request's compression; when they
+    end the prompt, every layer then writes its kept tokens to the physical `slots` of logical [evicted, L)."""
+
+    request_id: str
+    compression: PromptCompression
+    tokens: slice  # this request's prompt tokens on the step's token axis
+    slots: torch.Tensor | None  # None: more prompt chunks follow
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    offsets: list  # per row, the leading tokens its request evicted (0: read from the start)
+    prompts: list  # PromptWork of the rows whose prompt is (partly) computed in this step
+
+
+class Requests:
+    def __init__(self, policy: Policy, page_size: int):
+        self.policy = policy
+        self.page_size = page_size
+        self._compressing: dict[str, PromptCompression] = {}
+        self._evicted: dict[str, int] = {}  # requests whose prompt was compacted -> leading tokens evicted
+        self._ending: dict[str, int] = {}  # requests whose prompt ends in the step in flight
+        self._rows: list[Row] | None = None  # the step in flight's rows (None between steps)
+        self._plan: StepPlan | None = None  # this step's, once made
+        # {request id: {layer: [Hkv, n] kept positions}} while recording (tests and debugging: Worker.kvpress_record)
+        self.recorded: dict | None = None
+        # {layer: [tokens, hidden]} the attention inputs of the forward in flight, for policies that need them
+        self.attention_inputs: dict = {}
+
+    def begin_step(self, rows: list[Row], finished: set) -> None:
+        """A new step: the previous step's prompt ends are now compacted; finished requests are forgotten; a request
+        whose computed count is back at 0 (recomputed after preemption) starts over."""
+        self._evicted.update(self._ending)
+        self._ending = {}
+        for request_id in finished:
+            self._forget(request_id)
+        for row in rows:
+            if row.computed == 0:
+                self._forget(row.request_id)
+        self._rows = rows
+        self._plan = None
+
+    def end_step(self) -> None:
+        """The step ran: forward passes until the next step (the runner's warm-up batches) get no kvpress work."""
+        self._rows = None
+        self._plan = None
+        self.attention_inputs = {}
+
+    def plan(self, block_table: torch.Tensor, slot_mapping: torch.Tensor, query_start: list) -> StepPlan:
+        """This step's work, from its rows: offsets for requests that evicted, and the prompt tokens to compress.
+        `block_table` [rows, blocks] and `slot_mapping` [tokens] are the step's own (unshifted). Made once per step:
+        the model has one KV cache group that kvpress compresses (worker.py checks)."""
+        if self._rows is None:
+            return StepPlan([0] * block_table.shape[0], [])  # not a step of requests (a warm-up batch)
+        if self._plan is None:
+            self._plan = self._make_plan(block_table, slot_mapping, query_start)
+        return self._plan
+
+    def _make_plan(self, block_table, slot_mapping, query_start) -> StepPlan:
+        if len(self._rows) != block_table.shape[0]:
+            raise RuntimeError(f"kvpress: the step has {block_table.shape[0]} rows, the model runner announced "
+                               f"{len(self._rows)}: the worker hook and the attention metadata disagree")
+        offsets, prompts = [], []
+        for r, row in enumerate(self._rows):
+            offsets.append(self._evicted.get(row.request_id, 0))
+            if row.computed >= row.prompt_length:
+                continue
+            evicted = evicted_tokens(self.policy, row.prompt_length, self.page_size)
+            if evicted == 0:
+                continue  # the whole prompt stays: nothing to score or move
+            start = query_start[r]
+            n = min(row.scheduled, row.prompt_length - row.computed)
+            self._check_slots(block_table[r], slot_mapping[start:start + n], row.computed)
+            compression = self._compressing.setdefault(row.request_id, PromptCompression(self.policy, self.page_size))
+            slots = None
+            if row.computed + row.scheduled >= row.prompt_length:
+                slots = self._slots(block_table[r], evicted, row.prompt_length)
+                self._ending[row.request_id] = evicted
+                del self._compressing[row.request_id]  # every layer finishes it in this step
+            prompts.append(PromptWork(row.request_id, compression, slice(start, start + n), slots))
+        return StepPlan(offsets, prompts)
+
+    def record(self, request_id: str, layer_idx: int, positions: torch.Tensor) -> None:
+        if self.recorded is not None:
+            self.recorded.setdefault(request_id, {})[layer_idx] = positions.tolist()
+
+    def _slots(self, blocks: torch.Tensor, first: int, end: int) -> torch.Tensor:
+        """Physical slots of the logical token range [first, end) of a request whose block-table row is `blocks`."""
+        logical = torch.arange(first, end, device=blocks.device)
+        return blocks[logical // self.page_size].long() * self.page_size + logical % self.page_size
+
+    def _check_slots(self, blocks, step_slots, computed) -> None:
+        # The slots kvpress writes kept tokens to follow vLLM's own slot arithmetic: checked on the step's tokens
+        ours = self._slots(blocks, computed, computed + step_slots.shape[0])
+        if not torch.equal(ours, step_slots.long()):
+            raise RuntimeError("kvpress: the block table's slots differ from the model runner's slot mapping (kernel "
+                               "blocks split from scheduler blocks?); kvpress cannot place the kept tokens")
+
+    def _forget(self, request_id: str) -> None:
+        self._compressing.pop(request_id, None)
+        self._evicted.pop(request_id, None)
+        self._ending.pop(request_id, None)
+
+
+_TABLES: dict[int, Requests] = {}  # id(vllm_config) -> that worker's requests (one worker per process here)
+
+
+def requests_of(vllm_config) -> Requests | None:
+    return _TABLES.get(id(vllm_config))
+
+
+def attach(vllm_config, requests: Requests) -> None:
+    _TABLES[id(vllm_config)] = requests
