@@ -13,9 +13,13 @@ KV_BYTES = 1 << 30
 
 
 def smollm2_folder() -> str:
-    if not is_available("smollm2"):
-        pytest.fail("SmolLM2 is not prepared: run `make models`")
-    folder = model_path("smollm2")
+    return model_folder("smollm2")
+
+
+def model_folder(name: str) -> str:
+    if not is_available(name):
+        pytest.fail(f"{name} is not prepared: run `make models`")
+    folder = model_path(name)
     stray = [p.name for p in folder.glob("*.safetensors") if p.name != "model.safetensors"]
     if stray:  # vLLM would load them as weights
         pytest.fail(f"{folder} holds {stray} besides the weights; `make models` renames kvpress's calibration file")
@@ -23,12 +27,13 @@ def smollm2_folder() -> str:
 
 
 @contextlib.contextmanager
-def engine(kvpress: dict | None = None, **kwargs):
-    """An LLM on SmolLM2 (fp32, eager), with kvpress settings when given; shut down on exit."""
+def engine(kvpress: dict | None = None, model: str = "smollm2", **kwargs):
+    """An LLM on SmolLM2 (or another prepared model; fp32, eager), with kvpress settings when given; shut down on
+    exit."""
     settings = dict(dtype="float32", enforce_eager=True, max_model_len=4096, kv_cache_memory_bytes=KV_BYTES,
                     enable_prefix_caching=False, seed=0)
     settings.update(kwargs)
-    llm = LLM(smollm2_folder(), additional_config={"kvpress": kvpress} if kvpress else {}, **settings)
+    llm = LLM(model_folder(model), additional_config={"kvpress": kvpress} if kvpress else {}, **settings)
     try:
         yield llm
     finally:

@@ -19,7 +19,7 @@ from kvpress.integrations.vllm.pages import KVPressManager, KVPressSpec
 from kvpress.integrations.vllm.worker import Worker
 from kvpress.policies import resolve_policy
 
-from engines import PAGE, engine, greedy, ids, kv_manager, scheduler, smollm2_folder, worker
+from engines import PAGE, engine, greedy, ids, kv_manager, model_folder, scheduler, smollm2_folder, worker
 
 RATIO = 0.75
 # every policy an engine serves, with parameters that fit the tests' prompts; slack (transformers path only) keeps
@@ -179,6 +179,38 @@ def test_kept_sets_and_tokens_match_the_transformers_path(name, step_tokens, pro
     print(summary)
     assert same >= 0.95 * total and spread <= 1e-4, summary
     assert sum(equal_outputs) >= 0.9 * len(equal_outputs), summary
+
+
+def test_a_hybrid_model_compresses_its_full_attention_layers(record_property):
+    """Gemma-3: sliding-window layers keep vLLM's own cache group; the full-attention layers (5, 11, 17) form the
+    group kvpress compresses, and keep what the transformers path keeps."""
+    from transformers import AutoTokenizer
+
+    from kvpress.models import load
+    from kvpress.needle import haystack_sentences
+
+    tokenizer = AutoTokenizer.from_pretrained(model_folder("gemma3"))
+    batch = []
+    for seed, (before, after) in enumerate([(50, 60), (110, 25)]):
+        hay = haystack_sentences(seed)
+        text = (" ".join(next(hay) for _ in range(before)) + f" The secret passcode is {48213 + seed}. "
+                + " ".join(next(hay) for _ in range(after)) + " Question: what is the secret passcode? Answer:")
+        batch.append(tokenizer(text).input_ids)
+    with engine({"policy": "snapkv", "compression_ratio": RATIO}, model="gemma3") as llm:
+        groups = scheduler(llm).kv_cache_manager.kv_cache_config.kv_cache_groups
+        assert [type(g.kv_cache_spec).__name__ for g in groups].count("KVPressSpec") == 1
+        llm.collective_rpc("kvpress_record")
+        tokens = greedy(llm, batch, NEW_TOKENS, ignore_eos=False)
+        recorded = by_prompt(llm.collective_rpc("kvpress_recorded")[0])
+    model, _ = load("gemma3")
+    policy = resolve_policy("snapkv", compression_ratio=RATIO)
+    for i, prompt_ids in enumerate(batch):
+        budget = len(prompt_ids) - evicted_tokens(policy, len(prompt_ids), PAGE)
+        hf_tokens, hf_kept, hf_scores = transformers_run(model, "snapkv", {}, prompt_ids, budget)
+        assert sorted(recorded[i]) == sorted(hf_kept) == [5, 11, 17]
+        same, total, spread = compare_kept(recorded[i], hf_kept, hf_scores)
+        record_property(f"prompt {i}", f"{same}/{total} sets identical, spread {spread:.1e}")
+        assert same >= 0.95 * total and spread <= 1e-4 and hf_tokens == tokens[i]
 
 
 # ---------------------------------------------------------------------------- pages
