@@ -20,9 +20,9 @@ from dataclasses import dataclass
 import torch
 from vllm.config import get_current_vllm_config
 from vllm.model_executor.models.utils import extract_layer_index
+from vllm.v1.attention import selector
 from vllm.v1.attention.backends.cpu_attn import (CPUAttentionBackend, CPUAttentionBackendImpl, CPUAttentionMetadata,
                                                  CPUAttentionMetadataBuilder)
-from vllm.v1.attention import selector
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
@@ -31,7 +31,6 @@ from ..prompts import LayerFacts
 from .pages import KVPressSpec
 from .requests import requests_of
 from .settings import EngineSettings
-
 
 _ACTIVE: list[EngineSettings] = []  # the settings of this process's engine, once its worker activated kvpress
 

@@ -1,0 +1,172 @@
+"""Requests served at once, and generated tokens per second, by vLLM with and without kvpress, at a fixed KV memory.
+
+Each config runs in a process of its own (an engine and its worker in that process) over the same queue of
+requests: `--requests` prompts of `--prompt-tokens` tokens of real text (different for every request), each
+generating `--new-tokens` greedy tokens (end of sequence ignored). The KV memory holds `--kv-requests` uncompressed
+requests' pages (prompt + new tokens), so that one uncompressed prompt's prefill (its whole prompt's pages, which
+vLLM holds before kvpress frees any) is a small part of it. Measured per config, in one run:
+
+  running      the most requests running at once (vLLM's running queue, after each engine step)
+  tok/s        generated tokens / wall time from the first request's arrival to the last one's end (prompts
+               included: they are most of the work)
+  prompt / decode steps s   the wall time of steps that computed prompt tokens (decodes ride along) and of
+               steps that only decoded: kvpress leaves the first alone (the same prompts to compute)
+  pages        pages a request holds once its prompt is computed and compacted
+  vs stock     each figure over stock vLLM's (no kvpress settings) in the same run
+
+    .venv-vllm/bin/python benchmarks/vllm_capacity.py --out docs/results/vllm_capacity
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+PAGE = 128
+
+
+def prompts(tokenizer, n: int, length: int) -> list[list[int]]:
+    """`n` prompts of exactly `length` tokens of kvpress's haystack text, each from its own seed."""
+    from kvpress.needle import haystack_sentences
+
+    out = []
+    for seed in range(n):
+        sentences, ids = haystack_sentences(1000 + seed), []
+        while len(ids) < length:
+            ids += tokenizer(" ".join(next(sentences) for _ in range(64)), add_special_tokens=False).input_ids
+        out.append(ids[:length])
+    return out
+
+
+def run_config(args, settings: dict | None) -> dict:
+    """One engine, the whole queue: what this config achieved (runs in its own process)."""
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams, TokensPrompt
+
+    from kvpress.models import model_path
+
+    folder = str(model_path(args.model))
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    queue = prompts(tokenizer, args.requests, args.prompt_tokens)
+    token_bytes = 2 * 30 * 3 * 64 * 4  # SmolLM2 in fp32: K and V of 30 layers x 3 KV heads x 64 channels
+    pages_per_request = -(-(args.prompt_tokens + args.new_tokens) // PAGE)
+    kv_bytes = args.kv_requests * pages_per_request * PAGE * token_bytes
+    start = time.perf_counter()
+    llm = LLM(folder, dtype="float32", max_model_len=args.prompt_tokens + args.new_tokens + PAGE,
+              kv_cache_memory_bytes=kv_bytes, enable_prefix_caching=False, enforce_eager=args.eager,
+              additional_config={"kvpress": settings} if settings else {}, seed=0)
+    started = time.perf_counter() - start
+    engine = llm.llm_engine
+    core = engine.engine_core.engine_core
+    scheduler = core.scheduler
+    params = SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True)
+    begin = time.perf_counter()
+    for i, ids in enumerate(queue):
+        engine.add_request(f"q{i}", TokensPrompt(prompt_token_ids=ids), params)
+    running, steps, generated, pages = 0, 0, 0, []
+    prompt_steps_s = decode_steps_s = 0.0
+    while engine.has_unfinished_requests():
+        prompts_left = _prompt_tokens_left(scheduler)
+        tick = time.perf_counter()
+        for out in engine.step():
+            if out.finished:
+                generated += len(out.outputs[0].token_ids)
+        took = time.perf_counter() - tick
+        if _prompt_tokens_left(scheduler) < prompts_left:  # the step computed prompt tokens (and decoded others)
+            prompt_steps_s += took
+        else:
+            decode_steps_s += took
+        steps += 1
+        running = max(running, len(scheduler.running))
+        manager = scheduler.kv_cache_manager.coordinator.single_type_managers[0]
+        for request in scheduler.running:  # pages held right after the prompt was computed and compacted
+            if request.num_output_tokens == 2 and len(pages) < args.requests:
+                pages.append(sum(not b.is_null for b in manager.req_to_blocks[request.request_id]))
+    wall = time.perf_counter() - begin
+    return dict(config=label(settings), running=running, tok_s=round(generated / wall, 2), wall_s=round(wall, 1),
+                prompt_steps_s=round(prompt_steps_s, 1), decode_steps_s=round(decode_steps_s, 1),
+                steps=steps, generated=generated, pages=round(sum(pages) / max(len(pages), 1), 2),
+                kv_pages=scheduler.kv_cache_manager.block_pool.num_gpu_blocks - 1, engine_start_s=round(started, 1),
+                eager=args.eager, multiprocessing=os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING"))
+
+
+def _prompt_tokens_left(scheduler) -> int:
+    """Prompt tokens not computed yet (every request was queued at the start; finished ones had none left)."""
+    return sum(max(r.num_prompt_tokens - r.num_computed_tokens, 0) for r in scheduler.requests.values())
+
+
+def label(settings: dict | None) -> str:
+    if not settings:
+        return "stock"
+    rest = {k: v for k, v in settings.items() if k != "policy"}
+    return settings["policy"] + ("" if not rest else " " + " ".join(f"{k}={v}" for k, v in rest.items()))
+
+
+def parse_configs(text: str) -> list[dict | None]:
+    """'stock,none,snapkv:0.75,kvzap:0.75' -> engine settings (None: no kvpress)."""
+    out = []
+    for item in text.split(","):
+        name, _, ratio = item.strip().partition(":")
+        if name == "stock":
+            out.append(None)
+        else:
+            out.append({"policy": name, **({"compression_ratio": float(ratio)} if ratio else {})})
+    return out
+
+
+def table(rows: list[dict]) -> str:
+    stock = next((r for r in rows if r["config"] == "stock"), None)
+    lines = ["| config | running at once | vs stock | generated tok/s | vs stock | pages per request | wall s | "
+             "prompt steps s | decode-only steps s |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        vs_running = f"{r['running'] / stock['running']:.2f}x" if stock else ""
+        vs_speed = f"{r['tok_s'] / stock['tok_s']:.2f}x" if stock else ""
+        lines.append(f"| {r['config']} | {r['running']} | {vs_running} | {r['tok_s']} | {vs_speed} | {r['pages']} | "
+                     f"{r['wall_s']} | {r['prompt_steps_s']} | {r['decode_steps_s']} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--configs", default="stock,none,snapkv:0.5,snapkv:0.75,snapkv:0.9,kvzap:0.75")
+    p.add_argument("--requests", type=int, default=32)
+    p.add_argument("--prompt-tokens", type=int, default=4096)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--kv-requests", type=int, default=8, help="KV memory, in uncompressed requests' pages")
+    p.add_argument("--eager", action="store_true", help="no torch.compile (kvzap's configs run eagerly anyway)")
+    p.add_argument("--out", default=None, help="folder for results.jsonl and summary.md")
+    p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: run one config (JSON) and print it
+    args = p.parse_args(argv)
+    if args.one is not None:
+        print("RESULT" + json.dumps(run_config(args, json.loads(args.one))))
+        return
+    rows = []
+    for settings in parse_configs(args.configs):
+        command = [sys.executable, __file__, "--one", json.dumps(settings)] + [
+            f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
+            if k in ("model", "requests", "prompt_tokens", "new_tokens", "kv_requests")] + (["--eager"] * args.eager)
+        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0")}
+        run = subprocess.run(command, capture_output=True, text=True, env=env)
+        found = [line for line in run.stdout.splitlines() if line.startswith("RESULT")]
+        if run.returncode or not found:
+            sys.exit(f"{label(settings)} failed:\n{run.stderr[-4000:]}")
+        rows.append(json.loads(found[-1][len("RESULT"):]))
+        print(json.dumps(rows[-1]), flush=True)
+    summary = table(rows)
+    print(summary)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        with open(out / "results.jsonl", "a", encoding="utf-8") as f:
+            for r in rows:
+                f.write(json.dumps(dict(r, command=" ".join(sys.argv))) + "\n")
+
+
+if __name__ == "__main__":
+    main()
