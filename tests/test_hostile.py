@@ -2,12 +2,26 @@
 threads, rollback, autograd, speculation, transformers features kvpress cannot serve). Each checks the outcome
 (tokens, bytes, kept sets, a clear ValueError raised before anything changed), never a timing."""
 
+import math
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
+import kvpress
+from kvpress import KVPressCache
+
+from conftest import greedy, tiny_model
+from test_errors import untouched
+
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def prompt(n=40, batch=1, seed=0):
+    return torch.randint(3, 128, (batch, n), generator=torch.Generator().manual_seed(seed))
 
 
 # ---------------------------------------------------------------------------- 18: multi-process tests
@@ -20,3 +34,33 @@ def test_multi_process_tests_run_without_torchrun_on_path(tmp_path):
                           timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "skipped" not in done.stdout, done.stdout[-3000:]
+
+
+# ---------------------------------------------------------------------------- 3: parameters silently ignored
+@pytest.mark.parametrize("params,match", [
+    (dict(budget=30, window=8), r"budget=30 also sets the capacity besides n_sink \+ window = 4 \+ 8"),
+    (dict(compression_ratio=0.5, window=8), r"compression_ratio=0.5 also sets the capacity"),
+    (dict(budget=30, window=-5), r"window=-5; allowed values: None or an int >= 1"),
+    (dict(window=-5), r"window=-5; allowed values: None or an int >= 1"),
+    (dict(compression_ratio=0.5, pyramid_beta=math.nan, budget_allocation="pyramid"),
+     r"pyramid_beta=nan; allowed values: a finite number"),
+])
+def test_streaming_llm_window_and_nan_parameters_are_refused(params, match):
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match=match):
+        kvpress.patch_model(model, "streaming_llm", **params)
+    assert untouched(model)
+    with pytest.raises(ValueError, match=r"epsilon=nan; allowed values: a finite number"):
+        kvpress.patch_model(model, "expected_attention", compression_ratio=0.5, epsilon=math.nan)
+    assert untouched(model)
+
+
+def test_streaming_llm_window_sets_the_capacity():
+    model = tiny_model("llama")
+    with kvpress.patch_model(model, "streaming_llm", n_sink=4, window=8):
+        cache = KVPressCache(model.config)
+        with torch.no_grad():
+            model(prompt(40), past_key_values=cache)
+    for _, layer in cache.kvpress_layers():
+        assert layer.tokens_per_head().tolist() == [[12, 12]]
+        assert layer.key_positions().sort(dim=-1).values[0, 0].tolist() == [0, 1, 2, 3, *range(32, 40)]

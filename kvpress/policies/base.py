@@ -428,6 +428,9 @@ class Policy:
             value = getattr(self, f.name)
             if value is None and "None" in kinds:
                 continue
+            if kinds != ["str"] and isinstance(value, numbers.Real) and not math.isfinite(value):
+                # nan compares False with every bound, so range checks alone would let it through
+                raise ValueError(f"{self.name}: {f.name}={value!r}; allowed values: a finite number")
             for kind in kinds:
                 if kind != "None" and _KINDS[kind](value):
                     converted = int(value) if kind == "int" else float(value) if kind == "float" else value
@@ -469,6 +472,10 @@ class BudgetPolicy(Policy):
     needs_budget: ClassVar[bool] = True
 
     def validate(self) -> None:
+        self.check_budget()
+
+    def check_budget(self) -> None:
+        """Exactly one of compression_ratio and budget, each in its range."""
         if (self.compression_ratio is None) == (self.budget is None):
             raise ValueError(
                 f"{self.name}: give exactly one of compression_ratio (a float in [0, 1)) or budget (an int >= 1); "
