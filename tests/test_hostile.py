@@ -64,3 +64,33 @@ def test_streaming_llm_window_sets_the_capacity():
     for _, layer in cache.kvpress_layers():
         assert layer.tokens_per_head().tolist() == [[12, 12]]
         assert layer.key_positions().sort(dim=-1).values[0, 0].tolist() == [0, 1, 2, 3, *range(32, 40)]
+
+
+# ---------------------------------------------------------------------------- 14: errors from inside
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(draft="quest", foo=1), r"quest: unknown parameter\(s\) \['foo'\]; allowed parameters"),
+    (dict(draft="quest", budget=8), r"budget=8: the draft's budget is draft_budget"),
+    (dict(draft="quant4", bits=4), r"bits=4: draft='quant4' stores 8-bit codes"),
+    (dict(draft="quant4", window=3), r"kivi: unknown parameter\(s\) \['window'\]"),
+])
+def test_speculative_draft_parameters_are_checked_before_anything(kwargs, match):
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match=match):
+        kvpress.speculative_generate(model, prompt(40), max_new_tokens=4, **kwargs)
+    assert untouched(model)
+
+
+def test_kvzip_tokenizer_of_the_wrong_kind_is_a_value_error():
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match=r"kvzip: tokenizer='x' has no encode"):
+        kvpress.patch_model(model, "kvzip", compression_ratio=0.5, tokenizer="x")
+    assert untouched(model)
+
+
+def test_speculation_on_a_prompt_shorter_than_the_default_draft_budget():
+    """The default draft budget (10% of the prompt, at least 64) is capped at the prompt: a 30-token prompt is
+    drafted from all of it, and the output is plain greedy's."""
+    model = tiny_model("llama")
+    ids = prompt(30)
+    expected = greedy(model, ids, 10)
+    assert torch.equal(kvpress.speculative_generate(model, ids, max_new_tokens=10, eos_token_id=[]), expected)
