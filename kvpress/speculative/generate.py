@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..cache import KVPressCache
-from ..integrations.hf import _PATCHES, patch_model, with_cache
+from ..integrations.hf import _PATCHES, with_cache
+from ..integrations.patching import patch_model
 from ..policies import KIVI, Quant4View, Quest, ReadPolicy, Retrieval, SinkWindow, TopK
 from ..policies.registry import check_params
 
