@@ -2,10 +2,13 @@
 threads, rollback, autograd, speculation, transformers features kvpress cannot serve). Each checks the outcome
 (tokens, bytes, kept sets, a clear ValueError raised before anything changed), never a timing."""
 
+import copy
 import math
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -14,14 +17,33 @@ import torch
 import kvpress
 from kvpress import KVPressCache
 
-from conftest import greedy, tiny_model
+from conftest import greedy, record_held_tokens, tiny_model
 from test_errors import untouched
+from test_query_agnostic import TOK
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def prompt(n=40, batch=1, seed=0):
     return torch.randint(3, 128, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+def kept(cache):
+    """Every kvpress layer's kept positions, per row and head (sorted)."""
+    out = []
+    for _, layer in cache.kvpress_layers():
+        positions, valid = layer.key_positions(), layer.key_valid()
+        out.append([[sorted(positions[b, h][valid[b, h]].tolist()) for h in range(positions.shape[1])]
+                    for b in range(positions.shape[0])])
+    return out
+
+
+def prefill(call, ids, **kwargs):
+    """A fresh cache after one prompt forward `call(ids, cache)` (no autograd)."""
+    cache = KVPressCache(kwargs.pop("config"))
+    with torch.no_grad():
+        call(input_ids=ids, past_key_values=cache, **kwargs)
+    return cache
 
 
 # ---------------------------------------------------------------------------- 18: multi-process tests
@@ -94,3 +116,213 @@ def test_speculation_on_a_prompt_shorter_than_the_default_draft_budget():
     ids = prompt(30)
     expected = greedy(model, ids, 10)
     assert torch.equal(kvpress.speculative_generate(model, ids, max_new_tokens=10, eos_token_id=[]), expected)
+
+
+
+# ---------------------------------------------------------------------------- 1, 2: every entry point is served
+@pytest.mark.parametrize("policy,params", [("kvzip", dict(compression_ratio=0.75, tokenizer=TOK)),
+                                           ("snapkv", dict(compression_ratio=0.5, window_size=4))])
+def test_the_inner_model_compresses_like_the_model(policy, params):
+    """model.model(...) (NVIDIA kvpress's pipeline calls the decoder) keeps what model(...) keeps, model-level
+    policies (KVzip's replay after the prompt) included: before, KVzip kept every token on that path."""
+    model = tiny_model("llama")
+    ids = prompt(48)
+    with kvpress.patch_model(model, policy, **params):
+        outer = prefill(model, ids, config=model.config)
+        inner = prefill(model.model, ids, config=model.config)
+    assert kept(inner) == kept(outer)
+    # 48 tokens per KV head at ratio r: kvzip's global budget spreads them over layers and heads
+    held = [len(head) for layer in kept(inner) for row in layer for head in row]
+    assert sum(held) == (2 * 2 * 12 if policy == "kvzip" else 2 * 2 * 24)
+
+
+def test_the_inner_model_prefills_in_chunks():
+    """With prefill_chunk_size, a prompt fed to the decoder directly is chunked too (it held the whole prompt), and
+    keeps what the model's own chunked prefill keeps."""
+    model = tiny_model("llama")
+    ids = prompt(80)
+    with kvpress.patch_model(model, "snapkv", compression_ratio=0.75, window_size=4, prefill_chunk_size=16):
+        outer = prefill(model, ids, config=model.config)
+        with record_held_tokens() as held:
+            inner = prefill(model.model, ids, config=model.config)
+            hidden = model.model(ids, past_key_values=KVPressCache(model.config)).last_hidden_state
+    assert max(held) <= 20 + 16  # budget + one chunk
+    assert kept(inner) == kept(outer)
+    assert hidden.shape == (1, 80, 64)  # every position's hidden state, as the decoder returns them
+
+
+def test_kvzip_with_inputs_embeds_is_refused_before_the_cache_changes():
+    """KVzip replays the prompt's token ids: embeddings are refused before any layer appends (the cache then held
+    the uncompressed prompt, and a retry ran as a continuation, never compressed). The retry with ids compresses."""
+    model = tiny_model("llama")
+    ids = prompt(48)
+    with kvpress.patch_model(model, "kvzip", compression_ratio=0.75, tokenizer=TOK):
+        cache = KVPressCache(model.config)
+        with pytest.raises(ValueError, match=r"inputs_embeds: kvzip\(.*\) reads the prompt's token ids"):
+            model(inputs_embeds=model.model.embed_tokens(ids), past_key_values=cache)
+        assert cache.get_seq_length() == 0 and all(not layer.is_initialized for layer in cache.layers)
+        with torch.no_grad():
+            model(ids, past_key_values=cache)
+        assert kept(cache) == kept(prefill(model, ids, config=model.config))
+
+
+def test_a_prompt_forward_that_fails_leaves_the_cache_empty_and_a_decode_step_leaves_it_refused():
+    model = tiny_model("llama")
+    ids = prompt(40)
+    fail = {"armed": True}
+
+    def second_layer_fails(module, args):
+        if fail["armed"]:
+            raise RuntimeError("injected")
+
+    with kvpress.patch_model(model, "snapkv", compression_ratio=0.5, window_size=4), torch.no_grad():
+        handle = model.model.layers[1].register_forward_pre_hook(second_layer_fails)
+        cache = KVPressCache(model.config)
+        with pytest.raises(RuntimeError, match="injected"):  # layer 0 appended the prompt, layer 1 never ran
+            model(ids, past_key_values=cache)
+        assert cache.get_seq_length() == 0 and all(not layer.is_initialized for layer in cache.layers)
+        fail["armed"] = False
+        model(ids, past_key_values=cache)  # a prompt again: compressed like a fresh cache
+        assert kept(cache) == kept(prefill(model, ids, config=model.config))
+        fail["armed"] = True
+        with pytest.raises(RuntimeError, match="injected"):  # a decode step: layer 0 appended its token
+            model(ids[:, :1], past_key_values=cache)
+        fail["armed"] = False
+        with pytest.raises(ValueError, match=r"cache: a forward on this cache raised .*; allowed values: a new"):
+            model(ids[:, :1], past_key_values=cache)
+        handle.remove()
+
+
+# ---------------------------------------------------------------------------- 12, 13: patch / unpatch atomic
+def test_the_decoder_of_a_model_can_be_patched_and_unpatched():
+    """patch_model(model.model): a model without generate (it raised an AttributeError after switching the
+    attention implementation and installing hooks). The model that holds it is then served too."""
+    model = tiny_model("llama")
+    ids = prompt(40)
+    with kvpress.patch_model(model, "snapkv", compression_ratio=0.5, window_size=4):
+        expected = kept(prefill(model, ids, config=model.config))
+    reference = model(ids).logits
+    with kvpress.patch_model(model.model, "snapkv", compression_ratio=0.5, window_size=4):
+        assert kept(prefill(model.model, ids, config=model.config)) == expected
+        assert kept(prefill(model, ids, config=model.config)) == expected
+        with pytest.raises(ValueError, match="already patched"):
+            kvpress.patch_model(model, "none")
+    assert untouched(model) and torch.equal(model(ids).logits, reference)
+
+
+def test_an_encoder_is_refused_before_anything_changes():
+    from transformers import BertConfig, BertModel
+
+    model = BertModel(BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+                                 vocab_size=50)).eval()
+    with pytest.raises(ValueError, match=r"attention \(BertSelfAttention\) is not causal"):
+        kvpress.patch_model(model, "snapkv", compression_ratio=0.5)
+    assert untouched(model)
+
+
+def test_a_patch_that_fails_while_installing_leaves_the_model_untouched(monkeypatch):
+    from kvpress.integrations import patch as patch_module
+
+    model = tiny_model("llama")
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(patch_module, "wrap_forward", broken)  # the last step but one of the installation
+    with pytest.raises(RuntimeError, match="injected"):
+        kvpress.patch_model(model, "snapkv", compression_ratio=0.5, window_size=4, prefill_chunk_size=16)
+    assert untouched(model) and "forward" not in model.__dict__ and "forward" not in model.model.__dict__
+    monkeypatch.undo()
+    kvpress.patch_model(model, "snapkv", compression_ratio=0.5).unpatch()  # not "already patched"
+    assert untouched(model)
+
+
+class SlowToCheck(kvpress.policies.SnapKV):
+    """SnapKV whose check against the model takes a while: threads patching at once all reach it."""
+
+    def for_model(self, model):
+        time.sleep(0.05)
+        return super().for_model(model)
+
+
+def test_threads_patching_one_model_at_once_leave_exactly_one_patch():
+    """Both used to succeed (11 of 40 trials with a tight switch interval); every forward then raised."""
+    model = tiny_model("llama")
+    ids = prompt(40)
+    expected = greedy(model, ids, 4)
+    start = threading.Barrier(3)
+    patches, errors = [], []
+
+    def patch():
+        start.wait()
+        try:
+            patches.append(kvpress.patch_model(model, SlowToCheck(compression_ratio=0.5, window_size=4)))
+        except ValueError as e:
+            errors.append(str(e))
+
+    threads = [threading.Thread(target=patch) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(patches) == 1 and len(errors) == 2 and all("already patched" in e for e in errors)
+    greedy(model, ids, 4)  # the patched model runs
+    patches[0].unpatch()
+    assert untouched(model) and torch.equal(greedy(model, ids, 4), expected)
+
+
+def test_threads_speculating_on_one_unpatched_model_share_its_patch(monkeypatch):
+    """speculative_generate patches an unpatched model for the call: calls on several threads share that patch (two
+    of them used to patch it at once, 2 runs of 3)."""
+    from kvpress.speculative import generate
+
+    real_patch_model = generate.patch_model
+
+    def slow_patch_model(*args, **kwargs):  # every thread reaches patching before the first is done
+        time.sleep(0.05)
+        return real_patch_model(*args, **kwargs)
+
+    monkeypatch.setattr(generate, "patch_model", slow_patch_model)
+    model = tiny_model("llama")
+    prompts = [prompt(40 + 5 * i, seed=i) for i in range(3)]
+    expected = [greedy(model, ids, 12) for ids in prompts]
+    results, errors = {}, []
+    start = threading.Barrier(3)
+
+    def speculate(i):
+        start.wait()
+        try:
+            for _ in range(2):
+                results.setdefault(i, []).append(kvpress.speculative_generate(
+                    model, prompts[i], draft="sink_window", draft_budget=16, gamma=3, max_new_tokens=12,
+                    eos_token_id=[]))
+        except Exception as e:  # noqa: BLE001 - the test reports every failure
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=speculate, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert all(torch.equal(out, expected[i]) for i, outs in results.items() for out in outs)
+    assert untouched(model)
+
+
+def test_a_patched_model_deep_copies_into_a_patched_copy():
+    """copy.deepcopy of a patched model (it failed: cannot pickle '_InFlight'): the copy is the model as it was,
+    patched again with the same policy; each runs on its own, and unpatching the copy leaves the original patched."""
+    model = tiny_model("llama")
+    ids = prompt(40)
+    unpatched = greedy(model, ids, 6)
+    patch = kvpress.patch_model(model, "snapkv", compression_ratio=0.5, window_size=4)
+    compressed = greedy(model, ids, 6)
+    twin = copy.deepcopy(model)
+    assert torch.equal(greedy(twin, ids, 6), compressed) and torch.equal(greedy(model, ids, 6), compressed)
+    assert kept(prefill(twin, ids, config=twin.config)) == kept(prefill(model, ids, config=model.config))
+    kvpress.unpatch(twin)
+    assert untouched(twin) and torch.equal(greedy(twin, ids, 6), unpatched)
+    assert torch.equal(greedy(model, ids, 6), compressed)  # the original is still patched
+    patch.unpatch()
+    assert untouched(model)
+

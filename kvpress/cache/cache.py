@@ -61,6 +61,8 @@ class KVPressCache(Cache):
         self.prefill_nbytes: int | None = None  # bytes held right after the prompt (recorded by the patch)
         self.prefill_kv_nbytes: int | None = None
         self.patched_forwards = 0  # forwards of a kvpress-patched model running on this cache (set by the patch)
+        # why this cache can no longer be run (a forward raised after some layers appended its tokens); None: it can
+        self.broken: str | None = None
 
     def set_attention_mask(self, attention_mask: torch.Tensor | None) -> None:
         """Record the 2-D padding mask [B, seen + q_len] of the forward about to run (set by the patch's
@@ -87,6 +89,23 @@ class KVPressCache(Cache):
                 new_valid = self._token_mask[:, -q_len:]
             return layer.update(key_states, value_states, new_valid=new_valid)
         return layer.update(key_states, value_states, *args, **kwargs)
+
+    def append_marks(self) -> tuple:
+        """Counters that move whenever a layer appends: equal before and after a forward that appended nothing."""
+        return (len(self.layers), *(layer.appended if isinstance(layer, KVPressLayer) else layer.get_seq_length()
+                                    for layer in self.layers))
+
+    def clear(self) -> None:
+        """Empty every layer (same kinds, nothing stored, nothing seen), as a new cache of the same config."""
+        if self.layer_class_to_replicate is not None:
+            self.layers = []
+        else:
+            self.layers = [KVPressLayer() if isinstance(layer, KVPressLayer) else _empty_like(layer)
+                           for layer in self.layers]
+        self._token_mask = None
+        self.prefilling = False
+        self.prefill_nbytes = self.prefill_kv_nbytes = None
+        self.broken = None
 
     # ------------------------------------------------------------------ observation tokens
     def observe_next(self, n: int) -> None:
@@ -195,3 +214,10 @@ class KVPressCache(Cache):
                          kept_min=stored, kept_max=stored, kv_bytes=kv, bytes=kv)
                 )
         return rows
+
+
+def _empty_like(layer: DynamicSlidingWindowLayer) -> DynamicSlidingWindowLayer:
+    """An empty stock sliding-window layer like `layer` (its window, and whether it records its past)."""
+    out = DynamicSlidingWindowLayer(sliding_window=layer.sliding_window)
+    out.record_past = getattr(layer, "record_past", False)
+    return out

@@ -78,6 +78,7 @@ class _InFlight(threading.local):
     def __init__(self):
         self.calls = {}
         self.entered = []
+        self.forwards = []  # decoder forwards in flight (patch.py's _Forward), innermost last
 
 
 # ---------------------------------------------------------------------------- the attention function
@@ -194,6 +195,19 @@ def attention_modules_of(model) -> list[torch.nn.Module]:
     """Attention modules that follow transformers' attention-interface pattern: a causal self-attention module with
     a layer index (Llama-style GQA modules, and GPT-2 / GPT-NeoX / OPT, which have no KV-head groups)."""
     return [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "is_causal")]
+
+
+def decoder_of(model) -> torch.nn.Module:
+    """The module that runs `model`'s attention layers and takes its cache: `model.model` of a causal LM (what
+    NVIDIA kvpress's pipeline and many scripts call directly), the model itself for a base model. Every forward of
+    the model goes through it, so the patch's hooks sit there."""
+    get_decoder = getattr(model, "get_decoder", None)
+    decoder = get_decoder() if callable(get_decoder) else None
+    modules = attention_modules_of(model)
+    if isinstance(decoder, torch.nn.Module) and modules and all(
+            any(m is n for n in decoder.modules()) for m in modules[:1] + modules[-1:]):
+        return decoder
+    return model
 
 
 def cache_summary(cache: KVPressCache, policy: Policy | None = None) -> dict:

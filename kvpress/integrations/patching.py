@@ -6,8 +6,8 @@ import numbers
 
 from ..policies import Policy, resolve_policy
 from ..policies.base import ModelInfo
-from .hf import _PATCHES, _PREFIX, SUPPORTED_BASES, attention_modules_of
-from .patch import Patch
+from .hf import _BINDINGS, _PATCHES, _PREFIX, SUPPORTED_BASES, attention_modules_of
+from .patch import PATCHING, Patch
 
 
 def patch_model(model, policy: str | Policy | None = "none", prefill_chunk_size: int | None = None,
@@ -32,9 +32,17 @@ def patch_model(model, policy: str | Policy | None = "none", prefill_chunk_size:
                              f"prefill already judges the prompt with it; allowed: question_tokens with "
                              f"prefill_chunk_size=<int>, or question_tokens=None")
         question_tokens = int(question_tokens)
-    if model in _PATCHES:
-        raise ValueError("model is already patched by kvpress; call .unpatch() on the existing patch first")
+    with PATCHING:  # the checks and the installation are one step for other threads patching the same model
+        info, base = _check_model(model)
+        return Patch(model, policy.for_model(info), base, info, prefill_chunk_size, question_tokens)
+
+
+def _check_model(model) -> tuple[ModelInfo, str]:
+    """(what policies see of `model`, its attention implementation), or ValueError when kvpress cannot patch it."""
     modules = attention_modules_of(model)
+    if model in _PATCHES or any(m in _BINDINGS for m in modules):
+        raise ValueError("model is already patched by kvpress (itself, the model it belongs to, or its decoder); "
+                         "call .unpatch() on the existing patch first")
     backend_ok = getattr(type(model), "is_backend_compatible", lambda: False)()
     if not modules or not backend_ok:
         raise ValueError(
@@ -42,6 +50,11 @@ def patch_model(model, policy: str | Policy | None = "none", prefill_chunk_size:
             f"(the attention function kvpress hooks); allowed: models whose attention modules call "
             f"ALL_ATTENTION_FUNCTIONS, e.g. Llama, Mistral, Qwen2, Qwen3, Gemma3, Phi3, GPT-2, GPT-NeoX, OPT"
         )
+    not_causal = [type(m).__name__ for m in modules if getattr(m, "is_causal", False) is not True]
+    if not_causal:
+        raise ValueError(f"model: {type(model).__name__}'s attention ({not_causal[0]}) is not causal (an encoder, or "
+                         f"cross-attention): a KV cache serves decoders; allowed: causal decoder models, e.g. Llama, "
+                         f"Mistral, Qwen2, Qwen3, Gemma3, Phi3, GPT-2, GPT-NeoX, OPT")
     base = model.config._attn_implementation
     if base is not None and base.startswith(_PREFIX):
         raise ValueError("model is already patched by kvpress; call .unpatch() on the existing patch first")
@@ -49,13 +62,7 @@ def patch_model(model, policy: str | Policy | None = "none", prefill_chunk_size:
         raise ValueError(f"attn_implementation={base!r} cannot be wrapped; allowed values: {list(SUPPORTED_BASES)}")
     text_config = model.config.get_text_config(decoder=True)
     head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
-    info = ModelInfo(model, modules, head_dim)
-    policy = policy.for_model(info)
-    try:
-        rotaries = [info.rotary(m) if policy.needs().rotary else None for m in modules]
-    except ValueError as e:
-        raise ValueError(f"policy {policy.describe()} needs the model's rotary embedding (RoPE): {e}") from None
-    return Patch(model, policy, base, modules, rotaries, prefill_chunk_size, question_tokens)
+    return ModelInfo(model, modules, head_dim), base
 
 
 def _check_chunk_size(chunk, policy: Policy) -> None:

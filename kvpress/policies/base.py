@@ -51,6 +51,8 @@ class Needs:
     # the evidence of every head of the model, when this process holds only some (tensor parallelism): a
     # decision over several heads at once (TOVA's mean, AdaKV's per-layer and KVzip's global top-k); see heads.py
     all_heads: bool = False
+    # the prompt's token ids, after the prompt (ModelPass.input_ids): a forward given inputs_embeds is refused
+    prompt_ids: bool = False
 
     def __or__(self, other: "Needs") -> "Needs":
         return Needs(*(a or b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
@@ -402,9 +404,17 @@ class Policy:
         self.validate()
         object.__setattr__(self, "_checked", True)
 
+    def claim(self, delta: int) -> None:
+        """Count a patch that starts (+1) or stops (-1) using this policy and its parts."""
+        for part in {id(p): p for p in (self, *self.parts())}.values():
+            object.__setattr__(part, "_patches", part.__dict__.get("_patches", 0) + delta)
+
+    def __getstate__(self):  # a copy (copy, deepcopy, pickle) is used by no patch
+        return {k: v for k, v in self.__dict__.items() if k != "_patches"}
+
     def __setattr__(self, name, value):
-        """A hyper-parameter changed after construction (e.g. on the policy a patch uses) is checked like one
-        given to the constructor; a bad value is refused and the old one stays."""
+        """A hyper-parameter changed after construction is checked like one given to the constructor; a bad value
+        is refused and the old one stays."""
         if name not in self.__dataclass_fields__ or not self.__dict__.get("_checked"):
             object.__setattr__(self, name, value)
             return

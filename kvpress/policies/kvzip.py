@@ -95,7 +95,7 @@ class KVzip(ScorerPolicy):
                              f"allowed values: None (loaded from the model's folder) or the model's tokenizer")
 
     def needs(self) -> Needs:
-        return super().needs() | Needs(model_pass=True, hidden_states=self.kvzip_plus)
+        return super().needs() | Needs(model_pass=True, hidden_states=self.kvzip_plus, prompt_ids=True)
 
     def for_model(self, model) -> "KVzip":
         if self.kvzip_plus and not all(isinstance(getattr(m, "o_proj", None), torch.nn.Linear) for m in model.modules):

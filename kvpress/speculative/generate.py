@@ -14,7 +14,8 @@ exactly lossless.
 
 from __future__ import annotations
 
-import inspect
+import threading
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -23,9 +24,13 @@ from ..cache import KVPressCache
 from ..integrations.hf import _PATCHES, with_cache
 from ..integrations.patching import patch_model
 from ..policies import KIVI, Quant4View, Quest, ReadPolicy, Retrieval, SinkWindow, TopK
-from ..policies.registry import check_params
+from ..policies.registry import check_params, resolve_policy
 
 DRAFTS = {"sink_window": SinkWindow, "retrieval": Retrieval, "quest": Quest, "topk": TopK, "quant4": Quant4View}
+# An unpatched model is patched for the calls that run on it (the target policy), and unpatched when the last of them
+# returns: calls on several threads at once share that one patch (model -> [patch, calls using it]).
+_SHARED: "weakref.WeakKeyDictionary[torch.nn.Module, list]" = weakref.WeakKeyDictionary()
+_SHARED_LOCK = threading.Lock()
 
 
 @dataclass
@@ -163,16 +168,33 @@ def speculative_generate(model, input_ids, attention_mask=None, *, draft="sink_w
     eos_token_id = config.eos_token_id if eos_token_id is None else eos_token_id
     pad_token_id = config.pad_token_id if pad_token_id is None else pad_token_id
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
-    existing = _PATCHES.get(model)
-    view, target_policy = _draft_and_target(draft, draft_params, draft_budget, gamma, existing,
-                                            int(mask.sum(-1).min()))
-    patch = None if existing is not None else patch_model(model, target_policy)
+    context = int(mask.sum(-1).min())
+    with _SHARED_LOCK:
+        shared = _SHARED.get(model)
+        existing = _PATCHES.get(model)
+        joining = shared is not None and existing is shared[0]  # another thread's call patched the model for itself
+        view, target_policy = _draft_and_target(draft, draft_params, draft_budget, gamma,
+                                                None if joining else existing, context)
+        if joining and resolve_policy(target_policy) != existing.policy:
+            raise ValueError(f"speculative_generate runs on this model in another thread with a target patched as "
+                             f"{existing.policy.describe()}; this call needs {resolve_policy(target_policy).describe()}; "
+                             f"allowed: the same draft settings, or patch the model yourself before the threads start")
+        if joining:
+            shared[1] += 1
+        elif existing is None:
+            shared = _SHARED[model] = [patch_model(model, target_policy), 1]
+        else:
+            shared = None  # the caller's own patch
     try:
         return _loop(model, input_ids, mask, view, gamma, max_new_tokens, do_sample, temperature, top_p,
                      eos_token_id, pad_token_id, generator, return_stats)
     finally:
-        if patch is not None:
-            patch.unpatch()
+        if shared is not None:
+            with _SHARED_LOCK:
+                shared[1] -= 1
+                if shared[1] == 0:  # the last call on the model it patched
+                    del _SHARED[model]
+                    shared[0].unpatch()
 
 
 def _loop(model, input_ids, prompt_mask, view, gamma, max_new_tokens, do_sample, temperature, top_p,

@@ -1,0 +1,38 @@
+"""What a patched model's forwards may be given. The decoder's forward pre-hook (patch.py) calls check_forward for
+every forward, whoever calls it, before the forward changes anything: compression never switches itself off
+without a word, and a refused call leaves its cache exactly as it was."""
+
+from __future__ import annotations
+
+from ..cache import KVPressCache
+from .hf import _PATCHES, given_cache
+
+
+def check_forward(patch, decoder, args, kwargs) -> None:
+    """Raise (ValueError for the caller's input, RuntimeError for a patch changed under the call) unless `patch` can
+    serve this forward of `decoder` as asked."""
+    if _PATCHES.get(patch.model) is not patch:  # unpatch() ran on another thread just as this forward started
+        raise RuntimeError("kvpress: this model was unpatched (by another thread) as this forward started; "
+                           "run the call again")
+    if decoder.config._attn_implementation != patch.attn_implementation:
+        raise RuntimeError(
+            f"attn_implementation was changed to {decoder.config._attn_implementation!r} while kvpress patched "
+            f"this model (it must stay {patch.attn_implementation!r}); unpatch() first, change it, then patch again")
+    cache = given_cache(kwargs)
+    if cache is not None and not isinstance(cache, KVPressCache):
+        raise ValueError(
+            f"{'cache' if kwargs.get('cache') is not None else 'past_key_values'}={type(cache).__name__}: a "
+            f"kvpress-patched model compresses only a KVPressCache; "
+            f"allowed values: kvpress.KVPressCache(model.config), or None (generate then makes one)")
+    if not isinstance(cache, KVPressCache):
+        return
+    if cache.question_ids is not None and patch.prefill_chunk_size is None:
+        raise ValueError("KVPressCache(question_ids=...) gives the question to a chunked prefill, but this patch "
+                         "prefills in one shot; allowed: patch_model(..., prefill_chunk_size=<int>), or a cache "
+                         "without question_ids (a one-shot prefill judges the prompt with its own last tokens)")
+    prompt = cache.probe is None and cache.get_seq_length() == 0
+    if prompt and patch.needs.prompt_ids and kwargs.get("input_ids") is None and not args:
+        raise ValueError(f"inputs_embeds: {patch.policy.describe()} reads the prompt's token ids after the prompt "
+                         f"(KVzip replays them), which embeddings do not give back; allowed: input_ids")
+    if cache.broken is not None:
+        raise ValueError(f"cache: {cache.broken}; allowed values: a new kvpress.KVPressCache(model.config)")
