@@ -326,3 +326,24 @@ def test_a_patched_model_deep_copies_into_a_patched_copy():
     patch.unpatch()
     assert untouched(model)
 
+
+# ---------------------------------------------------------------------------- 4: a cache for another model
+@pytest.mark.parametrize("config", ["llama", 42, {"num_hidden_layers": 2}])
+def test_a_cache_config_that_is_not_a_config_is_refused(config):
+    with pytest.raises(ValueError, match=r"config=.*; allowed values: None, or the model's config"):
+        KVPressCache(config)
+
+
+def test_a_cache_built_from_another_models_config_is_refused_before_anything_runs():
+    """A Gemma-3 config used on a Llama made layer 0 a sliding-window layer of 8 tokens (the output changed)."""
+    model, gemma = tiny_model("llama"), tiny_model("gemma3")
+    ids = prompt(40)
+    with kvpress.patch_model(model, "none"):
+        cache = KVPressCache(gemma.config)
+        with pytest.raises(ValueError, match=r"cache: a KVPressCache built for another model's layers .* allowed "
+                                             r"values: KVPressCache\(model.config\)"):
+            model(ids, past_key_values=cache)
+        assert all(not getattr(layer, "is_initialized", False) for layer in cache.layers)
+        same = KVPressCache(model.config)
+        torch.testing.assert_close(model(ids, past_key_values=same).logits, model(ids).logits)
+

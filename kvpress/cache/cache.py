@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 
 import torch
+from transformers import PretrainedConfig
 from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 
 from .layer import KVPressLayer
@@ -13,6 +14,14 @@ from .layer import KVPressLayer
 def _layer_types(config) -> list[str] | None:
     text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     return getattr(text_config, "layer_types", None)
+
+
+def layout(config, n_layers: int | None = None) -> tuple:
+    """(each layer's kind, the sliding window of the sliding ones or None) of a model's config; a config without
+    layer kinds has `n_layers` full-attention layers."""
+    text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    kinds = tuple(getattr(text_config, "layer_types", None) or ["full_attention"] * (n_layers or 0))
+    return kinds, text_config.sliding_window if "sliding_attention" in kinds else None
 
 
 class KVPressCache(Cache):
@@ -26,10 +35,16 @@ class KVPressCache(Cache):
     """
 
     def __init__(self, config=None, question_ids: torch.Tensor | None = None):
+        if config is not None and not isinstance(config, PretrainedConfig):
+            raise ValueError(f"config={config!r}; allowed values: None, or the model's config (model.config, a "
+                             f"transformers PretrainedConfig)")
         if question_ids is not None and (not isinstance(question_ids, torch.Tensor) or question_ids.dim() != 2
                                          or question_ids.shape[1] < 1 or question_ids.is_floating_point()):
             raise ValueError(f"question_ids={question_ids!r}; allowed values: None or token ids [batch or 1, n >= 1]")
         layer_types = _layer_types(config) if config is not None else None
+        # the layers this cache was built for (None: any, created as they come): a patched model whose own differ
+        # refuses it (a Gemma-3 cache on a Llama made its layer 0 a sliding window)
+        self.layer_kinds = layout(config) if layer_types is not None else None
         if layer_types is None:
             super().__init__(layer_class_to_replicate=KVPressLayer)
         else:

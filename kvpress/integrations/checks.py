@@ -30,9 +30,18 @@ def check_forward(patch, decoder, args, kwargs) -> None:
         raise ValueError("KVPressCache(question_ids=...) gives the question to a chunked prefill, but this patch "
                          "prefills in one shot; allowed: patch_model(..., prefill_chunk_size=<int>), or a cache "
                          "without question_ids (a one-shot prefill judges the prompt with its own last tokens)")
+    if cache.layer_kinds is not None and cache.layer_kinds != patch.layer_kinds:
+        (kinds, window), (own, own_window) = cache.layer_kinds, patch.layer_kinds
+        raise ValueError(f"cache: a KVPressCache built for another model's layers ({_describe(kinds, window)}); "
+                         f"this model has {_describe(own, own_window)}; allowed values: KVPressCache(model.config)")
     prompt = cache.probe is None and cache.get_seq_length() == 0
     if prompt and patch.needs.prompt_ids and kwargs.get("input_ids") is None and not args:
         raise ValueError(f"inputs_embeds: {patch.policy.describe()} reads the prompt's token ids after the prompt "
                          f"(KVzip replays them), which embeddings do not give back; allowed: input_ids")
     if cache.broken is not None:
         raise ValueError(f"cache: {cache.broken}; allowed values: a new kvpress.KVPressCache(model.config)")
+
+
+def _describe(kinds: tuple, window: int | None) -> str:
+    sliding = sum(kind == "sliding_attention" for kind in kinds)
+    return f"{len(kinds)} layers, {sliding} of them sliding windows" + (f" of {window} tokens" if sliding else "")

@@ -17,6 +17,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..cache import KVPressCache
+from ..cache.cache import layout
 from ..heads import SINGLE, HeadShards
 from ..policies import Policy
 from ..policies.base import ModelInfo, ModelPass
@@ -75,6 +76,7 @@ class Patch:
         # layers whose cache kvpress compresses (hybrid models' sliding-window layers keep their own cache):
         # layer-wise budgets (PyramidKV) are spread over these
         layer_types = getattr(text_config, "layer_types", None) or ["full_attention"] * len(attention_modules)
+        self.layer_kinds = layout(model.config, len(attention_modules))  # what a KVPressCache must be built for
         every = [m.layer_idx for m in attention_modules]
         budget_layers = [i for i in every if layer_types[i] != "sliding_attention"] or every
         # patched generate / forward calls running on any thread: unpatch() waits until there are none, so a call
