@@ -347,3 +347,25 @@ def test_a_cache_built_from_another_models_config_is_refused_before_anything_run
         same = KVPressCache(model.config)
         torch.testing.assert_close(model(ids, past_key_values=same).logits, model(ids).logits)
 
+
+# ---------------------------------------------------------------------------- 5: parameters changed under a patch
+def test_a_policy_in_use_cannot_change_its_parameters():
+    """patch.policy.group_size = 12 was not checked against the model (head_dim 16): the next generate crashed with
+    a reshape error. While a patch uses a policy its parameters are fixed; a copy, or the policy after unpatch,
+    can change."""
+    import dataclasses
+
+    model = tiny_model("llama")
+    ids = prompt(40)
+    patch = kvpress.patch_model(model, "kivi", bits=4, group_size=16, residual_length=16)
+    expected = greedy(model, ids, 6)
+    with pytest.raises(ValueError, match=r"kivi: group_size=12 while a patch uses this policy"):
+        patch.policy.group_size = 12
+    assert patch.policy.group_size == 16 and torch.equal(greedy(model, ids, 6), expected)
+    assert dataclasses.replace(patch.policy, group_size=8).group_size == 8
+    copied = copy.deepcopy(patch.policy)
+    copied.group_size = 8
+    assert copied.group_size == 8
+    patch.unpatch()
+    patch.policy.group_size = 8  # no patch uses it any more
+

@@ -405,7 +405,9 @@ class Policy:
         object.__setattr__(self, "_checked", True)
 
     def claim(self, delta: int) -> None:
-        """Count a patch that starts (+1) or stops (-1) using this policy and its parts."""
+        """Count a patch that starts (+1) or stops (-1) using this policy and its parts. While one does, their
+        hyper-parameters cannot change: the patch checked them against its model (for_model) and set up what they
+        need (rotary embeddings, hooks for hidden states), which a change would silently bypass."""
         for part in {id(p): p for p in (self, *self.parts())}.values():
             object.__setattr__(part, "_patches", part.__dict__.get("_patches", 0) + delta)
 
@@ -414,7 +416,12 @@ class Policy:
 
     def __setattr__(self, name, value):
         """A hyper-parameter changed after construction is checked like one given to the constructor; a bad value
-        is refused and the old one stays."""
+        is refused and the old one stays. One a patch uses cannot change (see claim)."""
+        if name in self.__dataclass_fields__ and self.__dict__.get("_patches"):
+            raise ValueError(
+                f"{self.name}: {name}={value!r} while a patch uses this policy ({self.describe()}): the patch checked "
+                f"its parameters against the model and set up what they need; allowed: patch.unpatch(), then "
+                f"kvpress.patch_model(model, policy, {name}=...) (or a copy: dataclasses.replace(policy, {name}=...))")
         if name not in self.__dataclass_fields__ or not self.__dict__.get("_checked"):
             object.__setattr__(self, name, value)
             return
