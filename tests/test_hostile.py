@@ -369,3 +369,32 @@ def test_a_policy_in_use_cannot_change_its_parameters():
     patch.unpatch()
     patch.policy.group_size = 8  # no patch uses it any more
 
+
+# ---------------------------------------------------------------------------- 9: attention weights
+def test_output_attentions_under_a_patch_is_refused_not_empty():
+    """kvpress's own read path returns no attention weights: output_attentions=True with a KVPressCache gave empty
+    tuples with no word. Without a cache the model's own attention runs, weights included."""
+    model = tiny_model("llama", attn="eager")
+    ids = prompt(80)
+    plain = model(ids, output_attentions=True).attentions
+    with kvpress.patch_model(model, "none"):
+        cache = KVPressCache(model.config)
+        with pytest.raises(ValueError, match=r"output_attentions=True: .* returns no attention weights"):
+            model(ids, past_key_values=cache, output_attentions=True)
+        assert cache.get_seq_length() == 0
+        with pytest.raises(ValueError, match=r"output_attentions=True"):
+            model.generate(ids, max_new_tokens=2, output_attentions=True, return_dict_in_generate=True)
+        weights = model(ids, output_attentions=True).attentions  # no KVPressCache: the model's own attention
+    assert [w.shape for w in weights] == [(1, 4, 80, 80)] * 2
+    assert all(torch.equal(a, b) for a, b in zip(weights, plain))
+
+
+def test_hidden_states_of_a_chunked_prompt_are_refused_not_cut():
+    """A chunked prompt's forward would return the hidden states of its last chunk only."""
+    model = tiny_model("llama")
+    with kvpress.patch_model(model, "snapkv", compression_ratio=0.5, window_size=4, prefill_chunk_size=16):
+        cache = KVPressCache(model.config)
+        with pytest.raises(ValueError, match=r"output_hidden_states=True with prefill_chunk_size"):
+            model(prompt(40), past_key_values=cache, output_hidden_states=True)
+        assert cache.get_seq_length() == 0
+

@@ -25,7 +25,12 @@ def check_forward(patch, decoder, args, kwargs) -> None:
             f"kvpress-patched model compresses only a KVPressCache; "
             f"allowed values: kvpress.KVPressCache(model.config), or None (generate then makes one)")
     if not isinstance(cache, KVPressCache):
-        return
+        return  # no cache: the model's own attention runs (attention weights included)
+    asked = kwargs.get("output_attentions")
+    if asked or (asked is None and getattr(decoder.config, "output_attentions", False)):
+        raise ValueError(f"output_attentions=True: kvpress's attention ({patch.policy.describe()}) reads the "
+                         f"KVPressCache's own storage and returns no attention weights; allowed: "
+                         f"output_attentions=False, or the weights of the unpatched model (patch.unpatch())")
     if cache.question_ids is not None and patch.prefill_chunk_size is None:
         raise ValueError("KVPressCache(question_ids=...) gives the question to a chunked prefill, but this patch "
                          "prefills in one shot; allowed: patch_model(..., prefill_chunk_size=<int>), or a cache "

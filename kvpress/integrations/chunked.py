@@ -36,9 +36,9 @@ def wrap_forward(forward, chunk: int, question_tokens: int | None, output: str, 
                 or (mask is not None and mask.dim() != 2)
                 or not isinstance(keep, int)):
             return forward(*args, **kwargs)  # not a prompt we can split: one shot
-        if kwargs.get("output_hidden_states") or kwargs.get("output_attentions"):
-            raise ValueError("output_hidden_states / output_attentions with prefill_chunk_size: a chunked prompt's "
-                             "forward returns them for its last chunk only; allowed: output_hidden_states=False, or "
+        if kwargs.get("output_hidden_states"):
+            raise ValueError("output_hidden_states=True with prefill_chunk_size: a chunked prompt's forward would "
+                             "return them for its last chunk only; allowed: output_hidden_states=False, or "
                              "patch_model(..., prefill_chunk_size=None)")
         with running(cache):
             return chunked_prefill(forward, cache, chunk, question_tokens, kwargs, keep, output, after_chunk)
