@@ -87,6 +87,9 @@ class KVPressCache(Cache):
         self._token_mask = attention_mask
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        # Stored without autograd history: a prompt run with gradients on (the compress-once recipe without
+        # torch.no_grad) would otherwise keep the forward's whole graph alive as long as the cache lives
+        key_states, value_states = key_states.detach(), value_states.detach()
         if self.layer_class_to_replicate is not None:
             while len(self.layers) <= layer_idx:
                 self.layers.append(self.layer_class_to_replicate())

@@ -121,7 +121,9 @@ class KVPressLayer(CacheLayerMixin):
 
     def update(self, key_states, value_states, *args, new_valid: torch.Tensor | None = None, **kwargs):
         """Append `q_len` new tokens to the tail. `new_valid` [B, q_len] marks which are real (not padding).
-        Returns the tail's keys/values: kvpress attention reads the layer itself, never these."""
+        Returns the tail's keys/values: kvpress attention reads the layer itself, never these. What is stored
+        carries no autograd history (a cache must not keep a forward's graph alive)."""
+        key_states, value_states = key_states.detach(), value_states.detach()
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         batch, heads, q_len, _ = key_states.shape

@@ -136,19 +136,24 @@ def kvpress_attention(module, query, key, value, attention_mask, **kwargs):
         return patch.masked_attention(module, q, keys, values, None if mask is UNMASKED else mask, **kwargs)[0]
 
     output, ctx.probs = layer.attend(read, base)
-    out = (output, None)
-    # Attention above used the full, uncompressed view (prefill is exact); now the policy may evict.
-    if phase == "probe":
-        cache.probe(ctx)
-        return out
+    # Attention above used the full, uncompressed view (prefill is exact); now the policy may evict. What it keeps
+    # (scores, statistics, codes) must hold no autograd history, whether or not the caller runs under no_grad.
+    with torch.no_grad():
+        if phase == "probe":
+            cache.probe(ctx)
+        else:
+            _policy_step(policy, ctx)
+    return output, None
+
+
+def _policy_step(policy: Policy, ctx: Context) -> None:
     policy.observe(ctx)
-    if phase == "prefill":
+    if ctx.phase == "prefill":
         policy.on_prefill(ctx)
-    elif phase == "decode":
+    elif ctx.phase == "decode":
         policy.on_decode(ctx)
     else:
         policy.on_extend(ctx)
-    return out
 
 
 def _selection(view, ctx: Context):
