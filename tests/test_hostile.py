@@ -444,3 +444,60 @@ def test_a_prefill_without_no_grad_stores_no_autograd_history(arch, policy, para
     assert stored and not any(t.requires_grad or t.grad_fn is not None for t in stored)
     assert kept(cache) == kept(reference)
     assert kept(copy.deepcopy(cache)) == kept(cache)
+
+
+# ---------------------------------------------------------------------------- 6: rollback
+def decoded(model, ids, steps, cache):
+    """`cache` after the prompt and `steps` greedy decode steps (no autograd)."""
+    with torch.no_grad():
+        logits = model(ids, past_key_values=cache).logits
+        for _ in range(steps):
+            logits = model(logits[:, -1:].argmax(-1), past_key_values=cache).logits
+    return logits
+
+
+def layer_state(cache):
+    return [(layer.seen, layer.stored, layer.quantized_len, layer.keys_view().clone(), layer.key_positions().clone())
+            for _, layer in cache.kvpress_layers()]
+
+
+def same_state(a, b):
+    return all(x[:3] == y[:3] and torch.equal(x[3], y[3]) and torch.equal(x[4], y[4]) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("policy,params,steps,floor_back", [
+    ("h2o", dict(compression_ratio=0.5), 3, 0),  # evicts at every decode step
+    ("kivi", dict(bits=4, group_size=16, residual_length=16), 10, -2),  # flushes a group after step 8
+])
+def test_crop_refuses_what_it_cannot_roll_back_and_leaves_the_cache_as_it_was(policy, params, steps, floor_back):
+    """cache.crop(-3) after decode-time eviction (h2o) or a low-bit flush (kivi) returned without error but not to
+    the earlier state (h2o: the next logits moved by 0.039; kivi: 48 quantized tokens where 32 were)."""
+    model = tiny_model("llama")
+    ids = prompt(40)
+    with kvpress.patch_model(model, policy, **params):
+        cache = KVPressCache(model.config)
+        decoded(model, ids, steps, cache)
+        before = layer_state(cache)
+        with pytest.raises(ValueError, match=rf"crop\(tokens_to_remove=-3\): the layer changed its stored tokens "
+                                             rf"after {40 + steps + floor_back} tokens"):
+            cache.crop(-3)
+        assert same_state(layer_state(cache), before)
+        if floor_back:  # back to the floor is exact: the cache a plain run holds at that length
+            cache.crop(floor_back)
+            fresh = KVPressCache(model.config)
+            decoded(model, ids, steps + floor_back, fresh)
+            assert same_state(layer_state(cache), layer_state(fresh))
+
+
+def test_crop_after_prefill_only_eviction_gives_back_the_earlier_cache():
+    model = tiny_model("llama")
+    ids = prompt(40)
+    with kvpress.patch_model(model, "snapkv", compression_ratio=0.5, window_size=4):
+        cache, fresh = KVPressCache(model.config), KVPressCache(model.config)
+        decoded(model, ids, 5, cache)
+        decoded(model, ids, 2, fresh)
+        cache.crop(-3)
+        assert same_state(layer_state(cache), layer_state(fresh))
+        with pytest.raises(ValueError, match=r"after 40 tokens"):  # into the prompt, which the prefill evicted
+            cache.crop(-3)
+

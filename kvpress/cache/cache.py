@@ -9,6 +9,7 @@ from transformers import PretrainedConfig
 from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 
 from .layer import KVPressLayer
+from .rollback import crop_refusal
 
 
 def _layer_types(config) -> list[str] | None:
@@ -124,6 +125,15 @@ class KVPressCache(Cache):
         self.prefilling = False
         self.prefill_nbytes = self.prefill_kv_nbytes = None
         self.broken = None
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Roll every layer back (KVPressLayer.crop), or none: a layer that cannot do it exactly refuses before any
+        layer changes."""
+        for i, layer in self.kvpress_layers():
+            refusal = crop_refusal(layer, tokens_to_remove)
+            if refusal is not None:
+                raise ValueError(f"layer {i}: {refusal}")
+        super().crop(tokens_to_remove)
 
     # ------------------------------------------------------------------ observation tokens
     def observe_next(self, n: int) -> None:

@@ -70,6 +70,7 @@ class ExpectedAttention(ScorerPolicy):
         stats[_SUM] = stats.get(_SUM, 0) + q.sum(2)
         if self.use_covariance:
             stats[_OUTER] = stats.get(_OUTER, 0) + torch.einsum("bhrd,bhre->bhde", q, q)
+        layer.mark_changed()  # the statistics now hold these queries: a rollback cannot take them out
 
     def score(self, ctx: Context) -> torch.Tensor:
         layer, stats = ctx.layer, ctx.layer.stats
