@@ -501,3 +501,34 @@ def test_crop_after_prefill_only_eviction_gives_back_the_earlier_cache():
         with pytest.raises(ValueError, match=r"after 40 tokens"):  # into the prompt, which the prefill evicted
             cache.crop(-3)
 
+
+# ---------------------------------------------------------------------------- 7: speculation over a patch
+@pytest.mark.parametrize("policy,params,match", [
+    ("snapkv", dict(compression_ratio=0.5, window_size=4, decode_budget=8), r"evicts generated tokens beyond "
+                                                                             r"decode_budget=8 while decoding"),
+    ("keydiff", dict(compression_ratio=0.5, decode_budget=4), r"decode_budget=4"),
+    ("h2o+kivi", dict(compression_ratio=0.5, bits=8, group_size=16, residual_length=16), r"evicts tokens while"),
+])
+def test_speculation_refuses_a_patch_that_changes_decode_steps(policy, params, match):
+    """snapkv with decode_budget=8 differed from plain greedy at token 19; keydiff decode_budget=4 failed mid-run."""
+    model = tiny_model("llama")
+    with kvpress.patch_model(model, policy, **params):
+        with pytest.raises(ValueError, match=rf"model is patched with .*, which .*{match}.*: a rejected draft could "
+                                             r"not be rolled back exactly"):
+            kvpress.speculative_generate(model, prompt(60), draft_budget=16, max_new_tokens=8)
+
+
+@pytest.mark.parametrize("residual", [0, 16])
+def test_speculation_over_a_codec_equals_plain_greedy_over_it(residual):
+    """kivi residual_length=0 failed mid-run ("reach into the quantized segment"); with a residual, drafts flushed
+    groups earlier than plain decoding would. Rounds now stop short of each flush: tokens equal plain greedy's
+    over the same codec, and the cache holds the same codes."""
+    model = tiny_model("llama")
+    ids = prompt(60)
+    with kvpress.patch_model(model, "kivi", bits=4, group_size=16, residual_length=residual):
+        expected = greedy(model, ids, 40)
+        for gamma in (1, 3, 5):
+            out = kvpress.speculative_generate(model, ids, draft="sink_window", draft_budget=16, gamma=gamma,
+                                               max_new_tokens=40, eos_token_id=[])
+            assert torch.equal(out, expected), gamma
+

@@ -49,3 +49,13 @@ def crop(layer, tokens_to_remove: int) -> None:
         layer.padding = layer.padding.clamp(max=new_seen)
     layer.seen = new_seen
 
+
+def appends_before_flush(layer, residual: int, group: int) -> int:
+    """Tokens `layer` can still append before a low-bit flush with these settings (KVPressLayer.flush_low_bit)
+    would move any: the number of decode steps a speculation round may span without a flush inside it."""
+    if not layer.is_initialized:
+        return residual + group - 1
+    if not layer.is_flat:  # a rectangle flushes once its full-precision slots reach residual + group
+        return layer.quantized_len + residual + group - 1 - layer.stored
+    full_precision = sum(s.counts() for s in layer.segments if not s.low_bit)  # per head
+    return int((residual + group - 1 - full_precision).min())

@@ -381,6 +381,20 @@ class Policy:
         """Whether key_view returns other keys than the stored ones (attention then reads those)."""
         return False
 
+    @property
+    def decode_change(self) -> str | None:
+        """What a decode step does to the cache besides appending its token, in words (None: nothing). Rolling
+        decode steps back (speculation, transformers' assisted decoding) is exact over plain appends only."""
+        if self.evicts_during_decode:
+            return "evicts tokens while decoding"
+        if self.selects:
+            return "reads a selection of the cache at every decode step"
+        return None
+
+    def appends_before_change(self, layer) -> int | None:
+        """Tokens `layer` can still append before a decode step of this policy changes it (None: never)."""
+        return None
+
     def parts(self) -> list["Policy"]:
         """The policies this one is made of (a composition's evictor and codec), or itself."""
         return [self]
@@ -549,6 +563,12 @@ class ScorerPolicy(BudgetPolicy):
         if self.slack and not self.evicts_during_decode and self.decode_budget is None:
             raise ValueError(f"{self.name}: slack={self.slack!r} has nothing to act on: {self.name} evicts only at "
                              f"prefill; allowed values: slack=0, or slack with decode_budget")
+
+    @property
+    def decode_change(self) -> str | None:
+        if self.decode_budget is not None:
+            return f"evicts generated tokens beyond decode_budget={self.decode_budget} while decoding"
+        return super().decode_change
 
     def score(self, ctx: Context) -> torch.Tensor:
         """[B, Hkv, T] importance of each stored slot (higher = keep). Pure: state is updated by observe()."""

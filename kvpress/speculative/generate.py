@@ -109,9 +109,11 @@ def _check(draft, gamma, max_new_tokens, do_sample, temperature, top_p, draft_bu
 
 def _draft_and_target(draft, draft_params: dict, draft_budget, gamma: int, existing, context: int):
     """(the draft's read view, the policy to patch an unpatched model with), every argument checked first."""
-    if existing is not None and (existing.policy.evicts_during_decode or existing.policy.selects):
-        raise ValueError(f"model is patched with {existing.policy.name!r}, which changes decode steps; allowed: an "
-                         f"unpatched model, or a policy that only acts at prefill (e.g. none, snapkv, kivi)")
+    changes = [p.decode_change for p in existing.policy.parts() if not p.is_codec] if existing is not None else []
+    if any(changes):  # a codec's flushes are kept out of every round instead (_loop)
+        raise ValueError(f"model is patched with {existing.policy.describe()}, which {next(c for c in changes if c)}: "
+                         f"a rejected draft could not be rolled back exactly; allowed: an unpatched model, or a policy "
+                         f"that acts only at prefill (e.g. none, snapkv, kivi)")
     if draft == "quant4" or isinstance(draft, Quant4View):
         # QuantSpec: the target reads 8-bit codes (the reference it is lossless to), the draft their upper 4 bits
         codec = next((p for p in existing.policy.parts() if p.is_codec), None) if existing is not None else None
@@ -186,8 +188,8 @@ def speculative_generate(model, input_ids, attention_mask=None, *, draft="sink_w
         else:
             shared = None  # the caller's own patch
     try:
-        return _loop(model, input_ids, mask, view, gamma, max_new_tokens, do_sample, temperature, top_p,
-                     eos_token_id, pad_token_id, generator, return_stats)
+        return _loop(model, _PATCHES[model].policy, input_ids, mask, view, gamma, max_new_tokens, do_sample,
+                     temperature, top_p, eos_token_id, pad_token_id, generator, return_stats)
     finally:
         if shared is not None:
             with _SHARED_LOCK:
@@ -197,7 +199,7 @@ def speculative_generate(model, input_ids, attention_mask=None, *, draft="sink_w
                     shared[0].unpatch()
 
 
-def _loop(model, input_ids, prompt_mask, view, gamma, max_new_tokens, do_sample, temperature, top_p,
+def _loop(model, policy, input_ids, prompt_mask, view, gamma, max_new_tokens, do_sample, temperature, top_p,
           eos_token_id, pad_token_id, generator, return_stats):
     batch, prompt_len = input_ids.shape
     cache = KVPressCache(model.config)
@@ -229,6 +231,13 @@ def _loop(model, input_ids, prompt_mask, view, gamma, max_new_tokens, do_sample,
     produced = 1
     while produced < max_new_tokens and not bool(finished.all()):
         g = min(gamma, max_new_tokens - produced - 1)
+        # A codec flushes old tokens to low-bit codes after the step that fills its window: a round (g drafts, then
+        # g + 1 verified) stays short of that step, so nothing is flushed inside it (a rollback could not undo it)
+        # and the flush comes at the very step plain decoding takes it. A round of 0 drafts is a plain step.
+        room = min((n for _, layer in cache.kvpress_layers()
+                    if (n := policy.appends_before_change(layer)) is not None), default=None)
+        if room is not None:
+            g = max(0, min(g, room - 1))
         last = out[-1][:, -1:]
         drafts, q_probs = [], []
         cache.read_policy = view
