@@ -532,3 +532,29 @@ def test_speculation_over_a_codec_equals_plain_greedy_over_it(residual):
                                                max_new_tokens=40, eos_token_id=[])
             assert torch.equal(out, expected), gamma
 
+
+# ---------------------------------------------------------------------------- 8: transformers' assisted decoding
+@pytest.mark.parametrize("policy,params", [("h2o", dict(compression_ratio=0.5)),
+                                           ("streaming_llm", dict(compression_ratio=0.6)),
+                                           ("snapkv", dict(compression_ratio=0.5, window_size=4)),
+                                           ("kivi", dict(bits=4, group_size=16, residual_length=16))])
+@pytest.mark.parametrize("assisted", ["prompt_lookup", "assistant_model"])
+def test_assisted_decoding_is_refused_under_a_compressing_policy(policy, params, assisted):
+    """Assisted and prompt-lookup decoding verify the prompt and the first drafts in one forward, then crop rejected
+    drafts: under compression that is not lossless (SmolLM2 + streaming_llm 0.6 differed at token 10; the prompt's
+    eviction judges unverified drafts) and it was not refused."""
+    model = tiny_model("llama")
+    ids = prompt(40)
+    kwargs = dict(prompt_lookup_num_tokens=3) if assisted == "prompt_lookup" else dict(assistant_model=tiny_model())
+    with kvpress.patch_model(model, policy, **params):
+        with pytest.raises(ValueError, match=rf"{list(kwargs)[0]}: transformers' assisted / prompt-lookup decoding .* "
+                                             r"allowed: kvpress.speculative_generate"):
+            greedy(model, ids, 8, **kwargs)
+
+
+def test_prompt_lookup_under_policy_none_equals_plain_greedy():
+    model = tiny_model("llama")
+    ids = torch.cat([prompt(30), prompt(30)], 1)  # repeated text: prompt lookup finds drafts
+    expected = greedy(model, ids, 12)
+    with kvpress.patch_model(model, "none"):
+        assert torch.equal(greedy(model, ids, 12, prompt_lookup_num_tokens=3), expected)

@@ -1,6 +1,7 @@
-"""What a patched model's forwards may be given. The decoder's forward pre-hook (patch.py) calls check_forward for
-every forward, whoever calls it, before the forward changes anything: compression never switches itself off
-without a word, and a refused call leaves its cache exactly as it was."""
+"""What a patched model's forwards and generate calls may be given. The model-level forward pre-hook (patch.py) calls
+check_forward for every forward, whoever calls it, before the forward changes anything, and the generate wrapper
+calls check_generate before generate starts: compression never switches itself off without a word, and a refused
+call leaves its cache exactly as it was."""
 
 from __future__ import annotations
 
@@ -50,3 +51,24 @@ def check_forward(patch, decoder, args, kwargs) -> None:
 def _describe(kinds: tuple, window: int | None) -> str:
     sliding = sum(kind == "sliding_attention" for kind in kinds)
     return f"{len(kinds)} layers, {sliding} of them sliding windows" + (f" of {window} tokens" if sliding else "")
+
+
+# generate arguments that make transformers draft tokens, verify them in one forward and crop the rejected ones
+_ASSISTED = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit")
+
+
+def check_generate(patch, model, kwargs) -> None:
+    """Raise ValueError, before generate starts, for a transformers decoding strategy the patch cannot serve."""
+    config = kwargs.get("generation_config") or model.generation_config
+    asked = [name for name in _ASSISTED if (kwargs[name] if name in kwargs else getattr(config, name, None)) is not None]
+    policy = patch.policy
+    if asked and policy.name != "none":
+        # the first verification forward is the prompt plus the first drafts: a prompt compressed with unverified
+        # drafts in it, which the crop of the rejected ones cannot take out (nor a decode step's eviction or flush)
+        change = f", and {policy.decode_change}" if policy.decode_change else ""
+        raise ValueError(
+            f"{asked[0]}: transformers' assisted / prompt-lookup decoding runs the prompt and its first drafts in one "
+            f"forward and crops the rejected drafts from the cache; {policy.describe()} compresses that forward with "
+            f"the unverified drafts in it{change}, which a crop cannot undo (the output would differ from plain "
+            f"decoding); allowed: kvpress.speculative_generate (self-speculation over the compressed cache, exact), "
+            f"or policy='none'")

@@ -21,7 +21,7 @@ from ..cache.cache import layout
 from ..heads import SINGLE, HeadShards
 from ..policies import Policy
 from ..policies.base import ModelInfo, ModelPass
-from .checks import check_forward
+from .checks import check_forward, check_generate
 from .chunked import wrap_forward
 from .hf import (_BINDINGS, _LAST_STATS, _PATCHES, _PREFIX, _Binding, _InFlight, _config_heads, _eager_function,
                  _sdpa_backends, attention_modules_of, cache_argument, cache_summary, decoder_of, given_cache,
@@ -312,6 +312,7 @@ class Patch:
 
         @functools.wraps(generate)
         def kvpress_generate(*args, **kwargs):
+            check_generate(self, model, kwargs)
             if given_cache(kwargs) is None and kwargs.get("use_cache", True):
                 kwargs[cache_argument(model)] = KVPressCache(model.config)
             with self.running(None):
