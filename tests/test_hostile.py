@@ -558,3 +558,29 @@ def test_prompt_lookup_under_policy_none_equals_plain_greedy():
     expected = greedy(model, ids, 12)
     with kvpress.patch_model(model, "none"):
         assert torch.equal(greedy(model, ids, 12, prompt_lookup_num_tokens=3), expected)
+
+
+# ---------------------------------------------------------------------------- 10: a short first chunk
+def test_a_first_chunk_shorter_than_the_window_keeps_the_attention_sink():
+    """The first chunk takes the prompt's remainder (here 2 tokens of 50 with chunks of 16): SnapKV's window covered
+    the whole chunk and its share of the budget (1 token) kept the newest, so position 0 was evicted in every head.
+    A chunk shorter than the window is kept whole; the next chunks hold it as earlier tokens."""
+    model = tiny_model("llama")
+    ids = prompt(50)
+    with kvpress.patch_model(model, "snapkv", compression_ratio=0.5, window_size=8, prefill_chunk_size=16):
+        cache = prefill(model, ids, config=model.config)
+    held = kept(cache)
+    assert all(head[:2] == [0, 1] for layer in held for row in layer for head in row)
+    assert all(len(head) == 25 for layer in held for row in layer for head in row)  # the budget still holds
+
+
+@pytest.mark.real_model
+def test_smollm2_chunked_snapkv_with_a_short_first_chunk_keeps_the_sink(smollm2):
+    """SnapKV 0.3, chunks of 200 on a 215-token prompt (first chunk 15 tokens) dropped position 0 in every head and
+    moved the first logits by 9.1."""
+    model, tok = smollm2
+    text = " ".join(f"Item {i} is stored in box {i * 37 % 101}." for i in range(40))
+    ids = tok(text, return_tensors="pt").input_ids[:, :215]
+    with kvpress.patch_model(model, "snapkv", compression_ratio=0.3, prefill_chunk_size=200):
+        cache = prefill(model, ids, config=model.config)
+    assert all(head[0] == 0 for layer in kept(cache) for row in layer for head in row)

@@ -605,7 +605,8 @@ class ScorerPolicy(BudgetPolicy):
         if ctx.prompt_tokens is None:
             self.compress(ctx, self.score(ctx))
         else:
-            share, earlier = chunk_share(ctx.layer, ctx.prompt_tokens, ctx.prompt_length, ctx.q_len, ctx.observers)
+            share, earlier = chunk_share(ctx.layer, ctx.prompt_tokens, ctx.prompt_length, ctx.q_len, ctx.observers,
+                                         self.kept_window)
             self.compress(ctx, self.score(ctx), budget=share, keep=earlier)
         self.room_for_slack(ctx.layer)
 
@@ -681,15 +682,24 @@ class ScorerPolicy(BudgetPolicy):
         return keep_best(layer, scores, valid, prompt.sum(-1) + budget, prompt | recent, offset=start)
 
 
-def chunk_share(layer, prompt_tokens: torch.Tensor, prompt_length: int, q_len: int, observers: int = 0):
+def chunk_share(layer, prompt_tokens: torch.Tensor, prompt_length: int, q_len: int, observers: int = 0,
+                window: int = 0):
     """Chunked prefill: (budget [B] a row may hold after this chunk, [B, Hkv, T] slots kept from earlier chunks).
 
     Tokens kept from earlier chunks stay, and this chunk adds its share of the budget, so after a chunk a row holds
     budget x (its real tokens seen / its prompt's real tokens). Re-judging earlier survivors by each later chunk's
     queries would favour recent tokens chunk after chunk (an early needle at 8K is lost that way at 75% on
     SmolLM2, but kept this way). The forward's last `observers` tokens (a known question appended to the chunk)
-    are not prompt tokens: they vote, and are never kept."""
+    are not prompt tokens: they vote, and are never kept. A chunk holding fewer of a row's tokens than the policy's
+    always-kept `window` (the first chunk takes the remainder of the prompt, which can be a few tokens) is kept
+    whole, unless the row's prompt ends there: its share would be all window, and the window its newest tokens, so
+    the chunk would lose its first ones, the attention sink among them (SnapKV 0.3 on SmolLM2, a 15-token first
+    chunk: position 0 gone in every head, the answer broken)."""
     real_seen = (prompt_tokens - (prompt_length - (layer.seen - observers))).clamp(min=0)
     share = torch.ceil(layer.row_budget * real_seen / prompt_tokens.clamp(min=1)).long()
+    if window:
+        real_before = (prompt_tokens - (prompt_length - (layer.seen - q_len))).clamp(min=0)
+        short = (real_seen - real_before < window) & (real_seen < prompt_tokens)
+        share = torch.where(short, torch.iinfo(torch.long).max, share)  # evict_to_budget keeps every real token
     earlier = layer.key_valid() & (layer.key_positions() < layer.seen - q_len)
     return share, earlier
