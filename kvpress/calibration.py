@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 
 from . import arguments
 
@@ -191,17 +192,22 @@ class Calibration:
         or mismatched file is a ValueError that names the command making the right one."""
         path = Path(path) if path is not None else default_path(model)
         command = f"kvpress calibrate --model {_source(model)}" + (f" --out {path}" if path is not None else "")
-        if path is None or not path.exists():
+        allowed = f"allowed values: this model's calibration file (make one with `{command}`, minutes on a CPU)"
+        if path is None or not path.is_file():
             raise ValueError(f"calibration={None if path is None else str(path)!r}: no calibration file for this model; "
-                             f"make one with `{command}` (minutes on a CPU) or pass calibration=<file>")
-        calibration = cls.load(path)
+                             f"{allowed}, or None for the one beside its weights")
+        try:
+            calibration = cls.load(path)
+        except (OSError, KeyError, json.JSONDecodeError, SafetensorError) as e:
+            raise ValueError(f"calibration={str(path)!r} cannot be read as a calibration file ({type(e).__name__}); "
+                             f"{allowed}") from None
         identity = model_identity(model)
         if calibration.identity != identity:
             raise ValueError(f"calibration={str(path)!r} was made for another model ({calibration.identity}, this one "
-                             f"is {identity}); make this model's with `{command}`")
+                             f"is {identity}); {allowed}")
         if layers is not None and list(layers) != calibration.layers:
             raise ValueError(f"calibration={str(path)!r} covers layers {calibration.layers}, the model compresses "
-                             f"{list(layers)}; make this model's with `{command}`")
+                             f"{list(layers)}; {allowed}")
         return calibration
 
 

@@ -33,14 +33,16 @@ def test_kvpress_models_refuses_an_unknown_name_before_any_download():
 
 @pytest.mark.parametrize("argv,message", [
     (["--model", "no/such/folder"], "--model='no/such/folder': not a folder with config.json, nor a kvpress model"),
-    (["--model", "smollm2", "--texts", "2"], "--texts=2; allowed values: an int >= 5 (4 texts are held out"),
-    (["--model", "smollm2", "--tokens", "0"], "--tokens=0; allowed values: an int >= 64"),
+    (["--model", "smollm2", "--texts", "2", "--out", "{folder}/c.safetensors"],
+     "--texts=2; allowed values: an int >= 5 (4 texts are held out"),
+    (["--model", "smollm2", "--tokens", "0", "--out", "{folder}/c.safetensors"], "--tokens=0; allowed values: an int >= 64"),
     (["--model", "smollm2", "--out", "{file}/calibration.safetensors"], "--out="),
     (["--model", "smollm2", "--out", "{folder}"], "is a folder; allowed values: a file path you can write to"),
 ])
 def test_kvpress_calibrate_checks_every_flag_before_the_model_loads(argv, message, tmp_path):
     """A missing model folder gave a hub repo-id error, --texts 2 a traceback with internal names, --tokens 0 wrote
-    a file, an unwritable --out failed after the whole calibration ran."""
+    a file, an unwritable --out failed after the whole calibration ran. (--out points into tmp_path wherever the
+    case allows: code that does not refuse must not overwrite the calibration installed beside the model.)"""
     blocker = tmp_path / "file"
     blocker.write_text("")
     argv = [a.format(file=blocker, folder=tmp_path) for a in argv]

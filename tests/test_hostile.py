@@ -584,3 +584,14 @@ def test_smollm2_chunked_snapkv_with_a_short_first_chunk_keeps_the_sink(smollm2)
     with kvpress.patch_model(model, "snapkv", compression_ratio=0.3, prefill_chunk_size=200):
         cache = prefill(model, ids, config=model.config)
     assert all(head[0] == 0 for layer in kept(cache) for row in layer for head in row)
+
+
+# ---------------------------------------------------------------------------- 17: budgets under a ratio
+@pytest.mark.parametrize("n,ratio,keep", [(2002, 0.75, 500), (96, 0.6, 38), (83, 0.5, 41), (100, 0.07, 93),
+                                          (200, 0.75, 50), (10, 0.0, 10), (3, 0.9, 1)])
+def test_a_ratio_budget_is_never_a_token_over_the_ratio(n, ratio, keep):
+    """N - floor(N r) kept 501 of 2002 tokens at 0.75, where the ratio promises at most 500 (N - ceil(N r)); a product
+    whole up to rounding (100 x 0.07) removes exactly that many; at least one token stays."""
+    policy = kvpress.policies.SnapKV(compression_ratio=ratio)
+    assert int(policy.row_budget(torch.tensor([n]))[0]) == keep
+    assert keep <= max(1, n * (1 - ratio) + 1e-9)

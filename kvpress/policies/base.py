@@ -510,7 +510,8 @@ class BudgetPolicy(Policy):
         if (self.compression_ratio is None) == (self.budget is None):
             raise ValueError(
                 f"{self.name}: give exactly one of compression_ratio (a float in [0, 1)) or budget (an int >= 1); "
-                f"got compression_ratio={self.compression_ratio!r}, budget={self.budget!r}"
+                f"got compression_ratio={self.compression_ratio!r}, budget={self.budget!r}; allowed values: "
+                f"compression_ratio alone, or budget alone"
             )
         if self.compression_ratio is not None and not (0.0 <= float(self.compression_ratio) < 1.0):
             raise ValueError(
@@ -520,10 +521,12 @@ class BudgetPolicy(Policy):
             raise ValueError(f"{self.name}: budget={self.budget!r}; allowed values: an int >= 1")
 
     def row_budget(self, n_real: torch.Tensor) -> torch.Tensor:
-        """Tokens each row may keep, from its count of real prompt tokens [B]."""
+        """Tokens each row may keep, from its count of real prompt tokens [B]: with a ratio r, N - ceil(N r), never
+        a token over the declared ratio (NVIDIA kvpress keeps int(N (1 - r)), the same count), but at least one.
+        (The 1e-9 keeps a product that is whole up to rounding, 100 x 0.07, from removing one token more.)"""
         if self.budget is not None:
             return torch.full_like(n_real, self.budget)
-        removed = torch.floor(n_real.double() * self.compression_ratio).long()
+        removed = torch.ceil(n_real.double() * self.compression_ratio - 1e-9).long()
         return (n_real - removed).clamp(min=1)
 
 
