@@ -24,6 +24,7 @@ every rank runs every sample; rank 0 writes the same rows one process would.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import resource
@@ -31,6 +32,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from kvpress import arguments
 
 SUITES = ("ruler", "longbench", "needle")
 
@@ -69,8 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", help="auto (cuda:LOCAL_RANK if available, else cpu), cpu, cuda:0...")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto: float32 on CPU, bfloat16 on GPU")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's own choice)")
     p.add_argument("--summarize", action="store_true", help="only rebuild the summary and plots from --out")
+    p.add_argument("--no-plots", action="store_true", help="write the summary without plots (no matplotlib needed)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -111,18 +115,19 @@ class Plan:
 
 
 def resolve_model(model: str) -> Path:
-    from kvpress import models
+    return arguments.model_folder("--model", model)
 
-    if model in models.MODELS:
-        path = models.model_path(model)
-        if not models.is_available(model):
-            raise ValueError(f"--model={model!r} is not prepared at {path}; run `make models` first")
-        return path
-    path = Path(model)
-    if not (path / "config.json").is_file():
-        raise ValueError(f"--model={model!r}: not a folder with config.json, nor a kvpress model name; allowed "
-                         f"values: an HF checkpoint folder or one of {sorted(models.MODELS)}")
-    return path
+
+def check_outputs(args) -> None:
+    """Where the run writes, and what it needs to write it, before any work: the plots come last, after every
+    sample was evaluated."""
+    arguments.writable_folder("--out", args.out)
+    if not args.no_plots:
+        try:
+            importlib.import_module("matplotlib")
+        except ImportError:
+            raise ValueError("matplotlib is not installed: the plots (the run's last step) could not be drawn; "
+                             "allowed: pip install 'kvpress[eval]' (or matplotlib), or --no-plots") from None
 
 
 def model_context(path: Path) -> int:
@@ -156,6 +161,10 @@ def make_plan(args) -> Plan:
 
     if args.task not in SUITES:
         raise ValueError(f"--task={args.task!r} is unknown; allowed values: {list(SUITES)}")
+    if args.threads is not None:
+        arguments.at_least("--threads", args.threads, 1, " (torch CPU threads), or no --threads")
+    arguments.device("--device", args.device)
+    check_outputs(args)
     if args.tensor_parallel and args.shard is not None:
         raise ValueError("--tensor-parallel with --shard: the ranks share each sample's model; allowed: one of them")
     shard = (0, 1) if args.tensor_parallel else shard_of(args.shard)
@@ -289,7 +298,8 @@ def run(args) -> dict:
     if args.summarize:
         from .report import write_all
 
-        return dict(written=[str(p) for p in write_all(args.out)])
+        check_outputs(args)
+        return dict(written=[str(p) for p in write_all(args.out, plots=not args.no_plots)])
     plan = make_plan(args)
 
     import torch
@@ -298,7 +308,7 @@ def run(args) -> dict:
 
     from .report import read_rows, write_all
 
-    if args.threads:
+    if args.threads is not None:
         torch.set_num_threads(args.threads)
     plan.out.mkdir(parents=True, exist_ok=True)
     i, n = plan.shard
@@ -329,7 +339,7 @@ def run(args) -> dict:
                                 device="cpu" if args.engine == "vllm" else str(pick_device(args.device)),
                                 torch=torch.__version__)) + "\n")
     if _is_last_writer(n, args.shard):
-        counts["written"] = [str(p) for p in write_all(plan.out)]
+        counts["written"] = [str(p) for p in write_all(plan.out, plots=not args.no_plots)]
     counts["wall_s"] = round(wall, 1)
     return counts
 

@@ -237,8 +237,9 @@ def plot_accuracy(summary: list[dict], path, mode: str) -> None:
     plt.close(fig)
 
 
-def write_all(out_dir) -> list[Path]:
-    """summary.csv, summary.md, accuracy_vs_ratio_<mode>.png, and needle_heatmap_<mode>.png for needle rows."""
+def write_all(out_dir, plots: bool = True) -> list[Path]:
+    """summary.csv, summary.md, and (plots) accuracy_vs_ratio_<mode>.png, accuracy_vs_bytes_<mode>.png and
+    needle_heatmap_<mode>.png for needle rows."""
     out_dir = Path(out_dir)
     rows = read_rows(out_dir)
     if not rows:
@@ -247,7 +248,7 @@ def write_all(out_dir) -> list[Path]:
     written = [out_dir / "summary.csv", out_dir / "summary.md"]
     write_csv(summary, written[0])
     _atomic(written[1], lambda f: f.write(markdown(summary) + "\n" + frontier_markdown(summary)))
-    for mode in sorted({s["mode"] for s in summary}):
+    for mode in sorted({s["mode"] for s in summary}) if plots else []:
         path = out_dir / f"accuracy_vs_ratio_{mode}.png"
         plot_accuracy(summary, path, mode)
         written.append(path)

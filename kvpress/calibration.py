@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from . import arguments
+
 from .formats.calibration import FILE_NAME, Calibration, model_identity  # noqa: F401 (this module's public names)
 
 LOG_FLOOR = 1e-6  # KVzip scores are probabilities; log(score) is fitted, floored here
@@ -297,6 +299,10 @@ def fit(records: list, identity: dict, kind: str = "linear", held_out: int = 1, 
     return calibration
 
 
+HELD_OUT = 4  # texts `kvpress calibrate` keeps apart to measure the fit (calibrate's held_out)
+MIN_TOKENS = 64  # shorter texts leave a layer too few tokens after the sinks to fit a predictor
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="kvpress calibrate", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="a local model folder, or a name from kvpress.models "
@@ -304,21 +310,24 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default=None, help=f"output file (default: <model folder>/{FILE_NAME})")
     parser.add_argument("--kind", default="linear", choices=("linear", "mlp"))
     parser.add_argument("--target", default="kvzip", choices=("kvzip", "kvzip_plus"))
-    parser.add_argument("--texts", type=int, default=16)
-    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--texts", type=int, default=16, help=f"calibration texts ({HELD_OUT} of them held out)")
+    parser.add_argument("--tokens", type=int, default=2048, help="tokens per text")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     args = parser.parse_args(argv)
+    try:  # every flag, before the model loads (a calibration runs for minutes)
+        source = arguments.model_folder("--model", args.model)
+        arguments.at_least("--texts", args.texts, HELD_OUT + 1, f" ({HELD_OUT} texts are held out to measure the fit)")
+        arguments.at_least("--tokens", args.tokens, MIN_TOKENS, " (tokens per text)")
+        out = arguments.writable_file("--out", Path(args.out) if args.out else source / FILE_NAME)
+    except ValueError as e:
+        parser.exit(2, f"kvpress calibrate: error: {e}\n")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .models import MODELS, model_path
-
-    source = str(model_path(args.model)) if args.model in MODELS else args.model
     torch.set_grad_enabled(False)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, args.dtype)).eval()
     tokenizer = AutoTokenizer.from_pretrained(source)
     calibration = calibrate(model, tokenizer, kind=args.kind, target=args.target, n_texts=args.texts,
-                            n_tokens=args.tokens)
-    out = Path(args.out) if args.out else Path(source) / FILE_NAME
+                            n_tokens=args.tokens, held_out=HELD_OUT)
     calibration.save(out)
     print(f"wrote {out} ({out.stat().st_size / 1024:.0f} KiB)")
 

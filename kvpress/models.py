@@ -186,11 +186,13 @@ def install_calibration(name: str) -> None:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description="Prepare kvpress's offline models.")
+    parser = argparse.ArgumentParser(prog="kvpress-models", description="Prepare kvpress's offline models.")
     parser.add_argument("names", nargs="*", default=sorted(MODELS), help=f"models to prepare: {sorted(MODELS)}")
     args = parser.parse_args(argv)
+    unknown = [name for name in args.names if name not in MODELS]
+    if unknown:  # every name before any download
+        parser.error(f"{unknown[0]!r} is unknown; allowed values: {', '.join(sorted(MODELS))}")
     for name in args.names:
-        model_path(name)  # validates the name
         prepare(name)
 
 

@@ -119,12 +119,14 @@ def test_crop_rolls_back_the_tail():
     layer.crop(-2)
     assert layer.seen == 7 and layer.key_positions().tolist() == [[[0, 2, 4, 5, 6]]]
     assert torch.equal(layer.keys_view()[0, 0, :4], k[0, 0, [0, 2, 4, 5]])
-    # heads that evicted different parts of the tail cannot be rolled back consistently
+    # back past an eviction: refused (heads evicted different parts of what it would give back), nothing changed
     ragged, _, _ = filled(batch=1, heads=2, length=6)
     ragged.keep(torch.tensor([[[0, 2, 4, 5], [0, 1, 2, 3]]]))
     ragged.update(torch.randn(1, 2, 1, 4), torch.randn(1, 2, 1, 4))
-    with pytest.raises(RuntimeError, match="partly evicted"):
+    before = ragged.key_positions().clone()
+    with pytest.raises(ValueError, match="changed its stored tokens after 6 tokens"):
         ragged.crop(-2)
+    assert ragged.seen == 7 and torch.equal(ragged.key_positions(), before)
     plain, _, _ = filled(length=6)
     plain.crop(4)  # legacy meaning: keep the first 4 seen
     assert plain.seen == 4 and plain.stored == 4

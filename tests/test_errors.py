@@ -23,7 +23,7 @@ def untouched(model, attn="sdpa"):
     (dict(policy="h2o"), r"give exactly one of compression_ratio .* or budget"),
     (dict(policy="snapkv", compression_ratio=0.5, budget=10), r"give exactly one of compression_ratio"),
     (dict(policy="snapkv", budget=0), r"budget=0; allowed values: an int >= 1"),
-    (dict(policy="streaming_llm", budget=10, n_sink=4, window=8), r"budget=10 is smaller than n_sink \+ window"),
+    (dict(policy="streaming_llm", budget=10, n_sink=4, window=8), r"budget=10 is smaller than n_sink \+ window = 4 \+ 8"),
     (dict(policy="h2o", budget=8, recent=16), r"budget=8 is smaller than recent=16"),
     (dict(policy="snapkv", budget=16, window_size=32), r"budget=16 is smaller than window_size=32"),
     (dict(policy="snapkv", compression_ratio=0.5, kernel_size=4), r"kernel_size=4; allowed values: an odd int"),

@@ -152,3 +152,47 @@ def test_engine_flag_is_checked_before_any_model_loads(tiny_dir, tmp_path, no_mo
         return
     with pytest.raises(ValueError, match=message):
         _run(*args)
+
+
+# ---------------------------------------------------------------------------- issue 30: every flag checked first
+@pytest.mark.parametrize("argv,message", [
+    (["--threads", "0"], "--threads=0; allowed values: an int >= 1"),
+    (["--threads", "-3"], "--threads=-3; allowed values: an int >= 1"),
+    (["--device", "cuda:99"], "--device='cuda:99': "),
+    (["--device", "gpu0"], "--device='gpu0': "),
+])
+def test_machine_flags_fail_before_any_model_loads(tiny_dir, tmp_path, no_model, argv, message):
+    """--threads 0 was ignored, --threads -3 a traceback, --device cuda:7 on a CPU-only torch failed after loading
+    the model."""
+    with pytest.raises(ValueError) as err:
+        _run("--model", str(tiny_dir), "--task", "ruler", "--out", str(tmp_path / "x"), *argv)
+    assert message in str(err.value) and "allowed values" in str(err.value)
+    assert not (tmp_path / "x").exists()
+
+
+def test_an_unwritable_out_fails_before_any_model_loads(tiny_dir, tmp_path, no_model, capsys):
+    """An --out below a file was a pathlib traceback once the model was loaded."""
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    for out in (blocker, blocker / "out"):
+        with pytest.raises(SystemExit) as exit_:
+            cli.main(["--model", str(tiny_dir), "--task", "ruler", "--out", str(out)])
+        assert exit_.value.code == 2
+        assert "kvpress-eval: error: --out=" in capsys.readouterr().err
+
+
+def test_missing_matplotlib_fails_first_or_is_skipped_with_no_plots(tiny_dir, tmp_path, monkeypatch, no_model):
+    """Without matplotlib the run crashed after every sample was done (the plots are the last step)."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    with pytest.raises(ValueError, match=r"matplotlib is not installed: .* allowed: pip install 'kvpress\[eval\]'"):
+        _run("--model", str(tiny_dir), *RULER, "--out", str(tmp_path / "x"))
+    assert not (tmp_path / "x").exists()
+    out = tmp_path / "s"
+    out.mkdir()
+    row = dict(task="qa", length=1024, index=0, mode="query_aware", policy="none", ratio=0.0, question=0, score=1.0,
+               kv_bytes=10, prefill_s=1.0, decode_s=1.0, new_tokens=3)
+    (out / "results.jsonl").write_text(json.dumps(row) + "\n")
+    written = _run("--model", "unused", "--task", "ruler", "--out", str(out), "--summarize", "--no-plots")["written"]
+    assert sorted(p.rsplit("/", 1)[-1] for p in written) == ["summary.csv", "summary.md"]

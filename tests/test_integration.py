@@ -259,11 +259,11 @@ def test_a_cache_given_under_either_name_is_compressed(argument):
 
 
 def test_a_module_that_misses_its_cache_raises(monkeypatch):
-    from kvpress.integrations import hf
+    from kvpress.integrations import hf, patch
 
     model = tiny_model("llama")
     with kvpress.patch_model(model, "snapkv", compression_ratio=0.5):
         read = hf.given_cache
-        monkeypatch.setattr(hf, "given_cache", lambda kwargs: None if "hidden_states" in kwargs else read(kwargs))
+        monkeypatch.setattr(patch, "given_cache", lambda kwargs: None if "hidden_states" in kwargs else read(kwargs))
         with pytest.raises(RuntimeError, match="ran without the KVPressCache"):
             model(torch.randint(3, 128, (1, 16)), past_key_values=KVPressCache(model.config))

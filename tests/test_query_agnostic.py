@@ -243,10 +243,20 @@ def _pre_rope_queries(model, ids):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_expected_attention_keeps_its_definition_s_top_slots(arch):
+def test_expected_attention_keeps_its_definition_s_top_slots(arch, monkeypatch):
+    """The definition (NVIDIA kvpress's): the softmax of the expected logits runs over the keys after the first
+    n_sink, which are kept whatever their score. Checked on the scores themselves and on the kept slots."""
     model = tiny_model(arch)
     ids = torch.randint(3, 128, (1, 64), generator=torch.Generator().manual_seed(8))
     queries = _pre_rope_queries(model, ids)
+    scored = {}
+    real_score = ExpectedAttention.score
+
+    def recording_score(self, ctx):
+        scored[ctx.layer_idx] = out = real_score(self, ctx)
+        return out
+
+    monkeypatch.setattr(ExpectedAttention, "score", recording_score)
     with kvpress.patch_model(model, "expected_attention", compression_ratio=0.5, n_future_positions=32):
         cache = KVPressCache(model.config)
         model(ids, past_key_values=cache)
@@ -275,8 +285,10 @@ def test_expected_attention_keeps_its_definition_s_top_slots(arch):
                 mu, cov = r_bar @ mu, r_bar @ cov @ r_bar.T
                 k = keys[h].double()
                 logits = scale * k @ mu + scale ** 2 * torch.einsum("td,de,te->t", k, cov, k) / 2
+                logits[:4] = -math.inf  # the sinks: outside the softmax
                 per_head.append(logits.softmax(-1))
             scores[h] = (torch.stack(per_head).mean(0) * values[h].double().norm(dim=-1)).float()
+        torch.testing.assert_close(scored[i][0, :, 4:], scores[:, 4:], rtol=1e-3, atol=1e-6)
         for h in range(hkv):
             kept = set(layer.key_positions()[0, h].tolist())
             assert len(kept) == 32 and set(range(4)) <= kept

@@ -4,7 +4,6 @@ perform no collective."""
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +19,9 @@ _COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden
 MODELS = {"llama": lambda: LlamaForCausalLM(LlamaConfig(**_COMMON)),
           "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(**_COMMON, head_dim=16))}
 CROSS_HEAD = {"snapkv adaptive", "tova", "expected_attention adaptive", "kvzip global"}
+# torchrun started from the interpreter running the suite (not whatever `torchrun` is on PATH, if any): the
+# multi-process tests run wherever the suite runs, e.g. a virtual environment's python that is not activated
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
 
 def _run(command):
@@ -30,13 +32,12 @@ def _run(command):
     return json.loads(lines[-1][len("RESULT "):])
 
 
-@pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not installed")
 @pytest.mark.parametrize("arch", sorted(MODELS))
 def test_tensor_parallel_tokens_equal_one_process(arch, tmp_path):
     torch.manual_seed(0)
     MODELS[arch]().save_pretrained(tmp_path)
     alone = _run([sys.executable, str(WORKER), str(tmp_path)])
-    split = _run(["torchrun", "--nproc_per_node", "2", "--master_port", str(29500 + len(arch)), str(WORKER),
+    split = _run([*TORCHRUN, "--nproc_per_node", "2", "--master_port", str(29500 + len(arch)), str(WORKER),
                   str(tmp_path)])
     assert {k: v["tokens"] for k, v in split.items()} == {k: v["tokens"] for k, v in alone.items()}
     assert all(v["collectives"] == 0 for v in alone.values())  # one process: never a collective
@@ -44,7 +45,6 @@ def test_tensor_parallel_tokens_equal_one_process(arch, tmp_path):
         assert (row["collectives"] > 0) == (label in CROSS_HEAD), label
 
 
-@pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not installed")
 def test_evals_under_torchrun_write_the_one_process_rows(tmp_path):
     """kvpress-eval under torchrun, both ways: samples split over ranks (data parallel) and one model split over
     ranks (--tensor-parallel): the rows equal one process's (timings aside)."""
@@ -74,7 +74,7 @@ def test_evals_under_torchrun_write_the_one_process_rows(tmp_path):
                       for r in read_rows(out))
 
     alone = rows(tmp_path / "alone", [sys.executable])
-    torchrun = ["torchrun", "--nproc_per_node", "2", "--master_port", "29531"]
+    torchrun = [*TORCHRUN, "--nproc_per_node", "2", "--master_port", "29531"]
     assert rows(tmp_path / "data", torchrun) == alone
     # one model over both ranks: each rank's cache holds its heads; kv_bytes are rank 0's: half of every layer
     # for per-head budgets (adaptive budgets give rank 0's heads their share of the layer-wide top-k instead)

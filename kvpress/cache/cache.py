@@ -5,14 +5,24 @@ from __future__ import annotations
 import copy
 
 import torch
+from transformers import PretrainedConfig
 from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 
 from .layer import KVPressLayer
+from .rollback import crop_refusal
 
 
 def _layer_types(config) -> list[str] | None:
     text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     return getattr(text_config, "layer_types", None)
+
+
+def layout(config, n_layers: int | None = None) -> tuple:
+    """(each layer's kind, the sliding window of the sliding ones or None) of a model's config; a config without
+    layer kinds has `n_layers` full-attention layers."""
+    text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    kinds = tuple(getattr(text_config, "layer_types", None) or ["full_attention"] * (n_layers or 0))
+    return kinds, text_config.sliding_window if "sliding_attention" in kinds else None
 
 
 class KVPressCache(Cache):
@@ -26,10 +36,16 @@ class KVPressCache(Cache):
     """
 
     def __init__(self, config=None, question_ids: torch.Tensor | None = None):
+        if config is not None and not isinstance(config, PretrainedConfig):
+            raise ValueError(f"config={config!r}; allowed values: None, or the model's config (model.config, a "
+                             f"transformers PretrainedConfig)")
         if question_ids is not None and (not isinstance(question_ids, torch.Tensor) or question_ids.dim() != 2
                                          or question_ids.shape[1] < 1 or question_ids.is_floating_point()):
             raise ValueError(f"question_ids={question_ids!r}; allowed values: None or token ids [batch or 1, n >= 1]")
         layer_types = _layer_types(config) if config is not None else None
+        # the layers this cache was built for (None: any, created as they come): a patched model whose own differ
+        # refuses it (a Gemma-3 cache on a Llama made its layer 0 a sliding window)
+        self.layer_kinds = layout(config) if layer_types is not None else None
         if layer_types is None:
             super().__init__(layer_class_to_replicate=KVPressLayer)
         else:
@@ -61,6 +77,8 @@ class KVPressCache(Cache):
         self.prefill_nbytes: int | None = None  # bytes held right after the prompt (recorded by the patch)
         self.prefill_kv_nbytes: int | None = None
         self.patched_forwards = 0  # forwards of a kvpress-patched model running on this cache (set by the patch)
+        # why this cache can no longer be run (a forward raised after some layers appended its tokens); None: it can
+        self.broken: str | None = None
 
     def set_attention_mask(self, attention_mask: torch.Tensor | None) -> None:
         """Record the 2-D padding mask [B, seen + q_len] of the forward about to run (set by the patch's
@@ -70,6 +88,9 @@ class KVPressCache(Cache):
         self._token_mask = attention_mask
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        # Stored without autograd history: a prompt run with gradients on (the compress-once recipe without
+        # torch.no_grad) would otherwise keep the forward's whole graph alive as long as the cache lives
+        key_states, value_states = key_states.detach(), value_states.detach()
         if self.layer_class_to_replicate is not None:
             while len(self.layers) <= layer_idx:
                 self.layers.append(self.layer_class_to_replicate())
@@ -87,6 +108,32 @@ class KVPressCache(Cache):
                 new_valid = self._token_mask[:, -q_len:]
             return layer.update(key_states, value_states, new_valid=new_valid)
         return layer.update(key_states, value_states, *args, **kwargs)
+
+    def append_marks(self) -> tuple:
+        """Counters that move whenever a layer appends: equal before and after a forward that appended nothing."""
+        return (len(self.layers), *(layer.appended if isinstance(layer, KVPressLayer) else layer.get_seq_length()
+                                    for layer in self.layers))
+
+    def clear(self) -> None:
+        """Empty every layer (same kinds, nothing stored, nothing seen), as a new cache of the same config."""
+        if self.layer_class_to_replicate is not None:
+            self.layers = []
+        else:
+            self.layers = [KVPressLayer() if isinstance(layer, KVPressLayer) else _empty_like(layer)
+                           for layer in self.layers]
+        self._token_mask = None
+        self.prefilling = False
+        self.prefill_nbytes = self.prefill_kv_nbytes = None
+        self.broken = None
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Roll every layer back (KVPressLayer.crop), or none: a layer that cannot do it exactly refuses before any
+        layer changes."""
+        for i, layer in self.kvpress_layers():
+            refusal = crop_refusal(layer, tokens_to_remove)
+            if refusal is not None:
+                raise ValueError(f"layer {i}: {refusal}")
+        super().crop(tokens_to_remove)
 
     # ------------------------------------------------------------------ observation tokens
     def observe_next(self, n: int) -> None:
@@ -195,3 +242,10 @@ class KVPressCache(Cache):
                          kept_min=stored, kept_max=stored, kv_bytes=kv, bytes=kv)
                 )
         return rows
+
+
+def _empty_like(layer: DynamicSlidingWindowLayer) -> DynamicSlidingWindowLayer:
+    """An empty stock sliding-window layer like `layer` (its window, and whether it records its past)."""
+    out = DynamicSlidingWindowLayer(sliding_window=layer.sliding_window)
+    out.record_past = getattr(layer, "record_past", False)
+    return out

@@ -12,6 +12,7 @@ from transformers.cache_utils import CacheLayerMixin
 from ..kernels.online_softmax import Queries, dense_attention_state, empty_state, finish
 from ..kernels.quant_attention import flat_lowbit_attention_state, lowbit_attention_state
 from ..kernels.sparse_attention import GATHER_SLOTS, flat_attention_state, sparse_attention
+from . import rollback
 from .codecs import LowBitCodes, take_slots
 from .segments import FullPrecision, Segment, dense
 
@@ -78,6 +79,9 @@ class KVPressLayer(CacheLayerMixin):
         self.stats: dict[str, torch.Tensor] = {}  # per-layer policy statistics, batch-first [B, ...]
         self.seen = 0
         self.appended = 0  # tokens ever appended (never steps back, unlike seen): bounds how much a head grew
+        # tokens seen when the layer last changed other than by appending (an eviction, a low-bit flush, policy
+        # state of earlier slots): a rollback (crop) cannot go back before it (rollback.py)
+        self.rollback_floor = 0
         self.last_q_len = 0
         # [B] padding tokens each row has seen (None: none). Padding only ever comes before a row's first token
         # (left padding), so a slot's position minus it is the token's index in its own row (token_index).
@@ -121,7 +125,9 @@ class KVPressLayer(CacheLayerMixin):
 
     def update(self, key_states, value_states, *args, new_valid: torch.Tensor | None = None, **kwargs):
         """Append `q_len` new tokens to the tail. `new_valid` [B, q_len] marks which are real (not padding).
-        Returns the tail's keys/values: kvpress attention reads the layer itself, never these."""
+        Returns the tail's keys/values: kvpress attention reads the layer itself, never these. What is stored
+        carries no autograd history (a cache must not keep a forward's graph alive)."""
+        key_states, value_states = key_states.detach(), value_states.detach()
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         batch, heads, q_len, _ = key_states.shape
@@ -165,36 +171,13 @@ class KVPressLayer(CacheLayerMixin):
 
     def crop(self, tokens_to_remove: int) -> None:
         """Roll back the most recent tokens: `crop(-n)` forgets the last n seen, `crop(n)` (n > 0) keeps the
-        first n seen (transformers' legacy meaning). Only the uncommitted tail can be rolled back; tokens
-        evicted earlier are gone for good."""
-        if tokens_to_remove == 0 or not self.is_initialized:
-            return
-        new_seen = self.seen + tokens_to_remove if tokens_to_remove < 0 else tokens_to_remove
-        if not 0 <= new_seen <= self.seen:
-            raise ValueError(f"crop(tokens_to_remove={tokens_to_remove}) is out of range for {self.seen} seen tokens")
-        self.sort()
-        # The rolled-back tokens must all still be stored (the same count in every head), in full precision. Slots
-        # are sorted, so they are normally the tail's last slots: cut them. Otherwise (a filler among them, or
-        # tokens a codec's flat flush left in a full-precision run) it is a keep() of the rest.
-        positions, valid = self.key_positions(), self.key_valid()
-        drop = valid & (positions >= new_seen)
-        n_drop = drop.sum(-1)
-        if bool((n_drop != n_drop.flatten()[0]).any()):
-            raise RuntimeError("crop: the rolled-back tokens were partly evicted; only an unevicted tail can be cropped")
-        n = int(n_drop.flatten()[0])
-        if any(segment.low_bit and bool(drop[..., offset:offset + segment.width].any())
-               for segment, offset in zip(self.segments, self._offsets())):
-            raise RuntimeError("crop: the rolled-back tokens reach into the quantized segment; only full-precision "
-                               "tokens can be rolled back")
-        if n and bool(drop[..., -n:].all()):
-            self.segments[-1] = self.tail.truncate(self.tail.num_slots - n)
-        elif n:
-            width = self.stored - n
-            order = drop.long().argsort(dim=-1, stable=True)[..., :width]  # every other slot, in slot order
-            self.keep(order, valid.gather(-1, order))
-        for derived in self.aux.values():
-            derived.truncate(self.stored)
-        self.seen = new_seen
+        first n seen (transformers' legacy meaning); refused (ValueError, nothing changed) where that would not
+        give back the layer as it was (rollback.py)."""
+        rollback.crop(self, tokens_to_remove)
+
+    def mark_changed(self) -> None:
+        """The layer just changed in a way a rollback cannot undo (evicted, re-encoded, rescored earlier slots)."""
+        self.rollback_floor = self.seen
 
     def token_index(self) -> torch.Tensor:
         """[B, Hkv, T] each slot's index among its row's own tokens (its position minus the row's padding): what
@@ -213,9 +196,10 @@ class KVPressLayer(CacheLayerMixin):
         if bool((kept != valid).any()):
             width = int(kept.sum(-1).max())
             order = (~kept).long().argsort(dim=-1, stable=True)[..., :width]  # the other slots, in slot order
-            self.keep(order, kept.gather(-1, order))
+            self.compact(order, kept.gather(-1, order))
         self.seen = new_seen
         self.decode_start = min(self.decode_start, new_seen)
+        self.rollback_floor = min(self.rollback_floor, new_seen)  # observers' evictions count as the chunk's
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self.batch_select_indices(beam_idx)
@@ -370,6 +354,10 @@ class KVPressLayer(CacheLayerMixin):
 
     def set_state(self, name: str, state: torch.Tensor) -> None:
         """Store per-slot policy state given over the padded view [B, Hkv, T]."""
+        self._write_state(name, state)
+        self.mark_changed()
+
+    def _write_state(self, name: str, state: torch.Tensor) -> None:
         out = []
         for segment, offset in zip(self.segments, self._offsets()):
             out.append(segment.with_view_state(name, state[..., offset:offset + segment.width]))
@@ -383,6 +371,7 @@ class KVPressLayer(CacheLayerMixin):
             old = tail.state.get(name)
             summed = values if old is None else old + values
             self.segments[0] = dataclasses.replace(tail, state={**tail.state, name: summed})
+            self.mark_changed()
             return
         state = self.get_state(name)
         self.set_state(name, values if state is None else state + values)
@@ -395,7 +384,7 @@ class KVPressLayer(CacheLayerMixin):
             state = self.get_state(name)
             state = values.new_zeros(self.key_valid().shape) if state is None else state.clone()
             state[..., -rows:] = values
-            self.set_state(name, state)
+            self._write_state(name, state)
             return
         batch, heads = self._shape()
         state = tail.view_state(name, batch, heads, self.device).to(values.dtype).clone()
@@ -413,9 +402,14 @@ class KVPressLayer(CacheLayerMixin):
 
     # ------------------------------------------------------------------ eviction
     def keep(self, indices: torch.Tensor, keep_valid: torch.Tensor | None = None) -> None:
-        """Compact storage to `indices` [B, Hkv, T'] (slots of the padded view to keep, per row and KV head).
+        """Evict: compact storage to `indices` [B, Hkv, T'] (slots of the padded view to keep, per row and KV head).
         `keep_valid` [B, Hkv, T'] flags slots kept only to make rows rectangular; they become invalid. Frees the
-        rest."""
+        rest. A rollback cannot go back before it."""
+        self.compact(indices, keep_valid)
+        self.mark_changed()
+
+    def compact(self, indices: torch.Tensor, keep_valid: torch.Tensor | None = None) -> None:
+        """keep() without marking a change: for what keeps the same tokens (sorting) or rolls back (crop)."""
         batch, heads = self._shape()
         if indices.dim() != 3 or indices.shape[:2] != (batch, heads):
             raise ValueError(f"keep: indices must be [B={batch}, Hkv={heads}, T'], got {tuple(indices.shape)}")
@@ -486,7 +480,7 @@ class KVPressLayer(CacheLayerMixin):
         if not self.sorted:
             valid = self.key_valid()
             order = self._position_order().argsort(dim=-1, stable=True)
-            self.keep(order, valid.gather(-1, order))
+            self.compact(order, valid.gather(-1, order))
 
     def _position_order(self) -> torch.Tensor:
         """[B, Hkv, T] keys whose order is position order: in-place eviction mixes only the tail, so every slot
@@ -535,6 +529,7 @@ class KVPressLayer(CacheLayerMixin):
                                     {name: moved(s) for name, s in tail.state.items()})
         self.compacted, self.sorted = True, False
         self.aux = {}
+        self.mark_changed()
         return True
 
     def to_rectangular(self) -> None:
@@ -585,6 +580,7 @@ class KVPressLayer(CacheLayerMixin):
                                                           for name, s in moved.state.items()})
         self.segments = [moved, rest]
         self.aux = {}
+        self.mark_changed()
 
     def _rows_align_to(self, group: int) -> bool:
         """Rectangular groups of `group` slots start at every row's first real token: each row's fillers all lead
@@ -631,6 +627,7 @@ class KVPressLayer(CacheLayerMixin):
             self.segments = [codes, kept, self._empty_tail(kept)]
         self.compacted = True  # flat runs hold explicit positions, so the tail records its own from now on
         self.aux = {}
+        self.mark_changed()
 
     def _flush_right_aligned_tail(self, counts: torch.Tensor, n_move: torch.Tensor, encode) -> bool:
         """_flush_flat's steady state, [flat codes, a tail whose real slots end every head (leading fillers)], as
@@ -666,6 +663,7 @@ class KVPressLayer(CacheLayerMixin):
             torch.where(valid, positions[..., stay], 0),
             None if bool(valid.all()) else valid, {n: s[..., stay].clone() for n, s in tail.state.items()})]
         self.aux = {}
+        self.mark_changed()
         return True
 
     def _flat_full_precision(self, names=()) -> Segment:
@@ -853,6 +851,7 @@ class KVPressLayer(CacheLayerMixin):
         out = cls()
         out.is_initialized, out.dtype, out.device = True, first.dtype, first.device
         out.seen, out.last_q_len = first.seen, first.last_q_len
+        out.rollback_floor = max(l.rollback_floor for l in layers)
         out.compacted = True
         out.sorted = all(l.sorted for l in layers)
         names = sorted({n for l in layers for s in l.segments for n in s.state})

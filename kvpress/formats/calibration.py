@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 
 FORMAT = "kvpress-calibration-1"
 FILE_NAME = "kvpress_calibration.kvpress"  # beside the model's weights: the default place policies look
@@ -116,15 +117,20 @@ class Calibration:
         path = Path(path) if path is not None else default_path(model.folder)
         command = f"kvpress calibrate --model {model.folder or '<the model folder>'}" + (
             f" --out {path}" if path is not None else "")
-        if path is None or not path.exists():
+        allowed = f"allowed values: this model's calibration file (make one with `{command}`, minutes on a CPU)"
+        if path is None or not path.is_file():
             raise ValueError(f"calibration={None if path is None else str(path)!r}: no calibration file for this model; "
-                             f"make one with `{command}` (minutes on a CPU) or pass calibration=<file>")
-        calibration = cls.load(path)
+                             f"{allowed}, or None for the one beside its weights")
+        try:
+            calibration = cls.load(path)
+        except (OSError, KeyError, json.JSONDecodeError, SafetensorError) as e:
+            raise ValueError(f"calibration={str(path)!r} cannot be read as a calibration file ({type(e).__name__}); "
+                             f"{allowed}") from None
         identity = model.identity()
         if calibration.identity != identity:
             raise ValueError(f"calibration={str(path)!r} was made for another model ({calibration.identity}, this one "
-                             f"is {identity}); make this model's with `{command}`")
+                             f"is {identity}); {allowed}")
         if list(model.layers) != calibration.layers:
             raise ValueError(f"calibration={str(path)!r} covers layers {calibration.layers}, the model compresses "
-                             f"{list(model.layers)}; make this model's with `{command}`")
+                             f"{list(model.layers)}; {allowed}")
         return calibration

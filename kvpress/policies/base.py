@@ -54,6 +54,8 @@ class Needs:
     # the evidence of every head of the model, when this process holds only some (tensor parallelism): a
     # decision over several heads at once (TOVA's mean, AdaKV's per-layer and KVzip's global top-k); see heads.py
     all_heads: bool = False
+    # the prompt's token ids, after the prompt (ModelPass.input_ids): a forward given inputs_embeds is refused
+    prompt_ids: bool = False
 
     def __or__(self, other: "Needs") -> "Needs":
         return Needs(*(a or b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
@@ -387,6 +389,20 @@ class Policy:
         every chunk's rows as they pass)."""
         return None
 
+    @property
+    def decode_change(self) -> str | None:
+        """What a decode step does to the cache besides appending its token, in words (None: nothing). Rolling
+        decode steps back (speculation, transformers' assisted decoding) is exact over plain appends only."""
+        if self.evicts_during_decode:
+            return "evicts tokens while decoding"
+        if self.selects:
+            return "reads a selection of the cache at every decode step"
+        return None
+
+    def appends_before_change(self, layer) -> int | None:
+        """Tokens `layer` can still append before a decode step of this policy changes it (None: never)."""
+        return None
+
     def parts(self) -> list["Policy"]:
         """The policies this one is made of (a composition's evictor and codec), or itself."""
         return [self]
@@ -410,9 +426,24 @@ class Policy:
         self.validate()
         object.__setattr__(self, "_checked", True)
 
+    def claim(self, delta: int) -> None:
+        """Count a patch that starts (+1) or stops (-1) using this policy and its parts. While one does, their
+        hyper-parameters cannot change: the patch checked them against its model (for_model) and set up what they
+        need (rotary embeddings, hooks for hidden states), which a change would silently bypass."""
+        for part in {id(p): p for p in (self, *self.parts())}.values():
+            object.__setattr__(part, "_patches", part.__dict__.get("_patches", 0) + delta)
+
+    def __getstate__(self):  # a copy (copy, deepcopy, pickle) is used by no patch
+        return {k: v for k, v in self.__dict__.items() if k != "_patches"}
+
     def __setattr__(self, name, value):
-        """A hyper-parameter changed after construction (e.g. on the policy a patch uses) is checked like one
-        given to the constructor; a bad value is refused and the old one stays."""
+        """A hyper-parameter changed after construction is checked like one given to the constructor; a bad value
+        is refused and the old one stays. One a patch uses cannot change (see claim)."""
+        if name in self.__dataclass_fields__ and self.__dict__.get("_patches"):
+            raise ValueError(
+                f"{self.name}: {name}={value!r} while a patch uses this policy ({self.describe()}): the patch checked "
+                f"its parameters against the model and set up what they need; allowed: patch.unpatch(), then "
+                f"kvpress.patch_model(model, policy, {name}=...) (or a copy: dataclasses.replace(policy, {name}=...))")
         if name not in self.__dataclass_fields__ or not self.__dict__.get("_checked"):
             object.__setattr__(self, name, value)
             return
@@ -436,6 +467,9 @@ class Policy:
             value = getattr(self, f.name)
             if value is None and "None" in kinds:
                 continue
+            if kinds != ["str"] and isinstance(value, numbers.Real) and not math.isfinite(value):
+                # nan compares False with every bound, so range checks alone would let it through
+                raise ValueError(f"{self.name}: {f.name}={value!r}; allowed values: a finite number")
             for kind in kinds:
                 if kind != "None" and _KINDS[kind](value):
                     converted = int(value) if kind == "int" else float(value) if kind == "float" else value
@@ -477,10 +511,15 @@ class BudgetPolicy(Policy):
     needs_budget: ClassVar[bool] = True
 
     def validate(self) -> None:
+        self.check_budget()
+
+    def check_budget(self) -> None:
+        """Exactly one of compression_ratio and budget, each in its range."""
         if (self.compression_ratio is None) == (self.budget is None):
             raise ValueError(
                 f"{self.name}: give exactly one of compression_ratio (a float in [0, 1)) or budget (an int >= 1); "
-                f"got compression_ratio={self.compression_ratio!r}, budget={self.budget!r}"
+                f"got compression_ratio={self.compression_ratio!r}, budget={self.budget!r}; allowed values: "
+                f"compression_ratio alone, or budget alone"
             )
         if self.compression_ratio is not None and not (0.0 <= float(self.compression_ratio) < 1.0):
             raise ValueError(
@@ -490,10 +529,12 @@ class BudgetPolicy(Policy):
             raise ValueError(f"{self.name}: budget={self.budget!r}; allowed values: an int >= 1")
 
     def row_budget(self, n_real: torch.Tensor) -> torch.Tensor:
-        """Tokens each row may keep, from its count of real prompt tokens [B]."""
+        """Tokens each row may keep, from its count of real prompt tokens [B]: with a ratio r, N - ceil(N r), never
+        a token over the declared ratio (NVIDIA kvpress keeps int(N (1 - r)), the same count), but at least one.
+        (The 1e-9 keeps a product that is whole up to rounding, 100 x 0.07, from removing one token more.)"""
         if self.budget is not None:
             return torch.full_like(n_real, self.budget)
-        removed = torch.floor(n_real.double() * self.compression_ratio).long()
+        removed = torch.ceil(n_real.double() * self.compression_ratio - 1e-9).long()
         return (n_real - removed).clamp(min=1)
 
 
@@ -534,6 +575,12 @@ class ScorerPolicy(BudgetPolicy):
             raise ValueError(f"{self.name}: slack={self.slack!r} has nothing to act on: {self.name} evicts only at "
                              f"prefill; allowed values: slack=0, or slack with decode_budget")
 
+    @property
+    def decode_change(self) -> str | None:
+        if self.decode_budget is not None:
+            return f"evicts generated tokens beyond decode_budget={self.decode_budget} while decoding"
+        return super().decode_change
+
     def score(self, ctx: Context) -> torch.Tensor:
         """[B, Hkv, T] importance of each stored slot (higher = keep). Pure: state is updated by observe()."""
         raise NotImplementedError
@@ -569,7 +616,8 @@ class ScorerPolicy(BudgetPolicy):
         if ctx.prompt_tokens is None:
             self.compress(ctx, self.score(ctx))
         else:
-            share, earlier = chunk_share(ctx.layer, ctx.prompt_tokens, ctx.prompt_length, ctx.q_len, ctx.observers)
+            share, earlier = chunk_share(ctx.layer, ctx.prompt_tokens, ctx.prompt_length, ctx.q_len, ctx.observers,
+                                         self.kept_window)
             self.compress(ctx, self.score(ctx), budget=share, keep=earlier)
         self.room_for_slack(ctx.layer)
 
@@ -645,15 +693,24 @@ class ScorerPolicy(BudgetPolicy):
         return keep_best(layer, scores, valid, prompt.sum(-1) + budget, prompt | recent, offset=start)
 
 
-def chunk_share(layer, prompt_tokens: torch.Tensor, prompt_length: int, q_len: int, observers: int = 0):
+def chunk_share(layer, prompt_tokens: torch.Tensor, prompt_length: int, q_len: int, observers: int = 0,
+                window: int = 0):
     """Chunked prefill: (budget [B] a row may hold after this chunk, [B, Hkv, T] slots kept from earlier chunks).
 
     Tokens kept from earlier chunks stay, and this chunk adds its share of the budget, so after a chunk a row holds
     budget x (its real tokens seen / its prompt's real tokens). Re-judging earlier survivors by each later chunk's
     queries would favour recent tokens chunk after chunk (an early needle at 8K is lost that way at 75% on
     SmolLM2, but kept this way). The forward's last `observers` tokens (a known question appended to the chunk)
-    are not prompt tokens: they vote, and are never kept."""
+    are not prompt tokens: they vote, and are never kept. A chunk holding fewer of a row's tokens than the policy's
+    always-kept `window` (the first chunk takes the remainder of the prompt, which can be a few tokens) is kept
+    whole, unless the row's prompt ends there: its share would be all window, and the window its newest tokens, so
+    the chunk would lose its first ones, the attention sink among them (SnapKV 0.3 on SmolLM2, a 15-token first
+    chunk: position 0 gone in every head, the answer broken)."""
     real_seen = (prompt_tokens - (prompt_length - (layer.seen - observers))).clamp(min=0)
     share = torch.ceil(layer.row_budget * real_seen / prompt_tokens.clamp(min=1)).long()
+    if window:
+        real_before = (prompt_tokens - (prompt_length - (layer.seen - q_len))).clamp(min=0)
+        short = (real_seen - real_before < window) & (real_seen < prompt_tokens)
+        share = torch.where(short, torch.iinfo(torch.long).max, share)  # evict_to_budget keeps every real token
     earlier = layer.key_valid() & (layer.key_positions() < layer.seen - q_len)
     return share, earlier

@@ -39,6 +39,15 @@ class Composed(Policy):
     def rewrites_keys(self) -> bool:
         return self.evictor.rewrites_keys
 
+    @property
+    def decode_change(self) -> str | None:
+        return self.evictor.decode_change or self.codec.decode_change
+
+    def appends_before_change(self, layer) -> int | None:
+        counts = [n for n in (self.evictor.appends_before_change(layer), self.codec.appends_before_change(layer))
+                  if n is not None]
+        return min(counts, default=None)
+
     def for_model(self, model) -> "Composed":
         return dataclasses.replace(self, evictor=self.evictor.for_model(model), codec=self.codec.for_model(model))
 

@@ -5,8 +5,9 @@ PRE-RoPE vectors (the first `n_sink` real tokens skipped: their hidden states ar
 at the next `n_future_positions` positions; RoPE is linear, so their expected rotation is the average rotation
 R_bar over those positions: mu' = R_bar mu, Sigma' = R_bar Sigma R_bar^T. For a Gaussian query, the log of
 E[exp(s q.k)] is s mu'.k + s^2 k^T Sigma' k / 2 (s the attention scaling, 1/sqrt(D)); a softmax over the
-stored keys gives the expected attention per query head, averaged over each GQA group, times ||v|| (+ epsilon).
-The first n_sink real slots are always kept.
+stored keys after the first `n_sink` real slots (left out of the softmax, as in NVIDIA kvpress) gives the expected
+attention per query head, averaged over each GQA group, times ||v|| (+ epsilon). The first n_sink real slots are
+always kept.
 
 The query statistics are running sums kept in the cache layer (`observe`: every prompt forward, and every decode
 step when decode_budget will score them), so the same score serves prefill, each chunk of a chunked prefill, and
@@ -73,6 +74,7 @@ class ExpectedAttention(ScorerPolicy):
         stats[_SUM] = stats.get(_SUM, 0) + q.sum(2)
         if self.use_covariance:
             stats[_OUTER] = stats.get(_OUTER, 0) + torch.einsum("bhrd,bhre->bhde", q, q)
+        layer.mark_changed()  # the statistics now hold these queries: a rollback cannot take them out
 
     def score(self, ctx: Context) -> torch.Tensor:
         layer, stats = ctx.layer, ctx.layer.stats
@@ -96,10 +98,15 @@ class ExpectedAttention(ScorerPolicy):
             cov = rotation[:, None] @ cov @ rotation[:, None].transpose(-1, -2)  # Sigma' [B, Hq, D, D]
             cov = cov.view(batch, hkv, group, dim, dim)
             logits = logits + torch.einsum("bhtd,bhgde,bhte->bhgt", keys, cov, keys) * ctx.scaling ** 2 / 2
+        # The softmax runs over the keys after each row's first n_sink real tokens, as NVIDIA kvpress's does: the
+        # sinks draw most of the attention, so inside the softmax they would scale every other key's expectation
+        # by how much they draw from each query head. They score 0 here and are kept by protected().
         valid = layer.key_valid()
-        probs = logits.masked_fill(~valid[:, :, None], float("-inf")).softmax(-1).mean(2)  # [B, Hkv, T]
+        scored = valid & ~first_slots(layer, torch.full(valid.shape[:2], self.n_sink, device=valid.device))
+        probs = logits.masked_fill(~scored[:, :, None], float("-inf")).softmax(-1)
+        probs = probs.nan_to_num(0.0).mean(2)  # [B, Hkv, T] (a head holding only sinks has nothing to score)
         if self.use_vnorm:
-            probs = (probs + self.epsilon) * ctx.values.float().norm(dim=-1)
+            probs = (probs + self.epsilon * scored) * ctx.values.float().norm(dim=-1)
         return probs
 
     def protected(self, ctx: Context, n_keep: torch.Tensor):

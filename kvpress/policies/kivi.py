@@ -2,6 +2,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from ..cache.codecs import encode_kivi
+from ..cache.rollback import appends_before_flush
 from .base import Context, Policy
 from .registry import register
 
@@ -41,6 +42,13 @@ class KIVI(Policy):
                 f"(values are quantized in groups of channels); allowed values: {divisors}"
             )
         return self
+
+    @property
+    def decode_change(self) -> str:
+        return "moves old tokens into low-bit codes while decoding"
+
+    def appends_before_change(self, layer) -> int:
+        return appends_before_flush(layer, self.residual_length, self.group_size)
 
     def encode(self, keys, values, valid):
         return encode_kivi(keys, values, valid, self.bits, self.group_size)

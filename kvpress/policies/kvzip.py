@@ -89,9 +89,13 @@ class KVzip(ScorerPolicy):
         if self.decode_budget is not None:
             raise ValueError(f"kvzip: decode_budget={self.decode_budget!r}: generated tokens get no replay score; "
                              f"allowed values: None")
+        if self.tokenizer is not None and (isinstance(self.tokenizer, (str, bytes))  # str.encode is no tokenizer's
+                                           or not callable(getattr(self.tokenizer, "encode", None))):
+            raise ValueError(f"kvzip: tokenizer={self.tokenizer!r} has no encode(text, add_special_tokens=...); "
+                             f"allowed values: None (loaded from the model's folder) or the model's tokenizer")
 
     def needs(self) -> Needs:
-        return super().needs() | Needs(model_pass=True, hidden_states=self.kvzip_plus)
+        return super().needs() | Needs(model_pass=True, hidden_states=self.kvzip_plus, prompt_ids=True)
 
     def for_model(self, model) -> "KVzip":
         if self.kvzip_plus and not all(isinstance(getattr(m, "o_proj", None), torch.nn.Linear) for m in model.modules):
@@ -100,7 +104,12 @@ class KVzip(ScorerPolicy):
         if self.prompt is not None:
             return self
         tokenizer = self.tokenizer if self.tokenizer is not None else _load_tokenizer(model.model)
-        return dataclasses.replace(self, tokenizer=None, prompt=ReplayPrompt.from_tokenizer(tokenizer))
+        try:
+            prompt = ReplayPrompt.from_tokenizer(tokenizer)
+        except (TypeError, AttributeError) as e:  # an object with an encode() that is not a tokenizer's
+            raise ValueError(f"kvzip: tokenizer={type(tokenizer).__name__} could not encode the replay instructions "
+                             f"({type(e).__name__}: {e}); allowed values: None or the model's tokenizer") from None
+        return dataclasses.replace(self, tokenizer=None, prompt=prompt)
 
     # -- per layer: the budget is fixed at prefill; nothing is evicted before the replay
     def on_prefill(self, ctx: Context) -> None:

@@ -40,11 +40,11 @@ def resolve_policy(policy, **params) -> Policy:
         return _compose(policy, params)
     if isinstance(policy, str):
         cls = get_policy_class(policy)
-        _check_params(cls, params)
+        check_params(cls, params)
         return cls(**params)
     if isinstance(policy, Policy):
         if params:
-            _check_params(type(policy), params)
+            check_params(type(policy), params)
             return dataclasses.replace(policy, **params)
         policy.validate()
         return policy
@@ -87,7 +87,8 @@ def _compose(parts, params: dict) -> Policy:
     return Composed(evictor=evictors[0] if evictors else get_policy_class("none")(), codec=codecs[0])
 
 
-def _check_params(cls: type[Policy], params: dict) -> None:
+def check_params(cls: type[Policy], params: dict) -> None:
+    """ValueError naming every parameter `cls` does not take (before a constructor's TypeError could)."""
     allowed = [f.name for f in dataclasses.fields(cls)]
     unknown = sorted(set(params) - set(allowed))
     if unknown:

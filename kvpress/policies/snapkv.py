@@ -58,11 +58,18 @@ class SnapKV(ScorerPolicy):
         votes = ctx.attention_probs(last=window).sum(2)  # [B, Hq, T]
         # window columns are dropped before pooling, as in the reference (they are kept anyway)
         votes = votes.masked_fill(self._window(ctx).repeat_interleave(ctx.group_size, 1), 0.0)
+        # Pooled over each head's real slots in slot order: invalid filler slots between them (rows of a batch that
+        # keep different counts) must not widen a neighbourhood, or a row would score unlike itself alone
+        valid = ctx.layer.key_valid().repeat_interleave(ctx.group_size, 1)
+        order = (~valid).long().argsort(dim=-1, stable=True)  # real slots first, in slot order
+        outside = float("-inf") if self.pooling == "max" else 0.0  # what the pooling's own padding stands for
+        packed = votes.gather(-1, order).masked_fill(~valid.gather(-1, order), outside)
         pad = self.kernel_size // 2
         if self.pooling == "max":
-            pooled = F.max_pool1d(votes, self.kernel_size, stride=1, padding=pad)
+            pooled = F.max_pool1d(packed, self.kernel_size, stride=1, padding=pad)
         else:
-            pooled = F.avg_pool1d(votes, self.kernel_size, stride=1, padding=pad)
+            pooled = F.avg_pool1d(packed, self.kernel_size, stride=1, padding=pad)
+        pooled = torch.zeros_like(pooled).scatter_(-1, order, pooled).masked_fill(~valid, 0.0)
         return ctx.to_kv_heads(pooled, "mean")
 
     def protected(self, ctx: Context, n_keep: torch.Tensor):

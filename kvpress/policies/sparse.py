@@ -162,6 +162,8 @@ class Retrieval(ReadPolicy):
         super().validate()
         if not isinstance(self.chunk_size, int) or self.chunk_size < 1:
             raise ValueError(f"retrieval: chunk_size={self.chunk_size!r}; allowed values: an int >= 1")
+        if not isinstance(self.recent, int) or self.recent < 0:
+            raise ValueError(f"retrieval: recent={self.recent!r}; allowed values: an int >= 0")
 
     def select(self, ctx: Context):
         c = self.chunk_size
@@ -203,6 +205,8 @@ class SinkWindow(ReadPolicy):
 
     def validate(self) -> None:
         super().validate()
+        if not isinstance(self.n_sink, int) or self.n_sink < 0:
+            raise ValueError(f"sink_window: n_sink={self.n_sink!r}; allowed values: an int >= 0")
         if self.budget <= self.n_sink:
             raise ValueError(f"sink_window: budget={self.budget} must exceed n_sink={self.n_sink}; "
                              f"allowed values: budget > n_sink")

@@ -12,7 +12,8 @@ from .registry import register
 @dataclass
 class StreamingLLM(ScorerPolicy):
     """StreamingLLM (Xiao et al. 2024): `n_sink` attention sinks (the first real tokens of each row) plus a window
-    of the newest tokens, trimmed at prefill and at every decode step. Capacity = budget, or n_sink + window.
+    of the newest tokens, trimmed at prefill and at every decode step. Capacity: n_sink + window (window given),
+    or a budget / compression_ratio (window=None), never both.
 
     cache_local_positions=False keeps original positions (as NVIDIA kvpress does). True re-rotates keys so
     the kept tokens sit at contiguous positions right behind the query, as in the paper: each read rotates
@@ -24,24 +25,36 @@ class StreamingLLM(ScorerPolicy):
     cache_local_positions: bool = False
     evicts_during_decode: ClassVar[bool] = True
 
-    def __post_init__(self):
-        if self.window is not None and self.budget is None and self.compression_ratio is None:
-            if not isinstance(self.window, int) or self.window < 1:
-                raise ValueError(f"streaming_llm: window={self.window!r}; allowed values: an int >= 1")
-            self.budget = self.n_sink + self.window
-        super().__post_init__()
+    def check_budget(self) -> None:
+        """The capacity is given once: as n_sink + window, or as a budget / compression_ratio (then the window is
+        what the sinks leave). Both at once would leave one of them ignored."""
+        if self.window is None:
+            super().check_budget()
+            if self.budget is not None and self.budget <= self.n_sink:
+                raise ValueError(f"streaming_llm: budget={self.budget} is smaller than n_sink + window = "
+                                 f"{self.n_sink} + 1; allowed values: budget >= n_sink + window with window >= 1")
+            return
+        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
+            raise ValueError(f"streaming_llm: window={self.window!r}; allowed values: None or an int >= 1")
+        given = "budget" if self.budget is not None else "compression_ratio" if self.compression_ratio is not None \
+            else None
+        if given is not None:
+            relation = "is smaller than" if self.budget is not None and self.budget < self.n_sink + self.window \
+                else "also sets the capacity besides"
+            raise ValueError(
+                f"streaming_llm: {given}={getattr(self, given)!r} {relation} n_sink + window = {self.n_sink} + "
+                f"{self.window}: one of them would be ignored; allowed values: window alone (capacity n_sink + "
+                f"window), or budget / compression_ratio alone (window=None)")
 
     def validate(self) -> None:
-        super().validate()
-        if not isinstance(self.n_sink, int) or self.n_sink < 0:
+        if isinstance(self.n_sink, bool) or not isinstance(self.n_sink, int) or self.n_sink < 0:
             raise ValueError(f"streaming_llm: n_sink={self.n_sink!r}; allowed values: an int >= 0")
-        if self.budget is not None:
-            window = self.budget - self.n_sink if self.window is None else self.window
-            if window < 1 or self.budget < self.n_sink + window:
-                raise ValueError(
-                    f"streaming_llm: budget={self.budget} is smaller than n_sink + window = "
-                    f"{self.n_sink} + {window}; allowed values: budget >= n_sink + window with window >= 1"
-                )
+        super().validate()
+
+    def row_budget(self, n_real: torch.Tensor) -> torch.Tensor:
+        if self.window is not None:
+            return torch.full_like(n_real, self.n_sink + self.window)
+        return super().row_budget(n_real)
 
     def query_rows(self) -> int:
         return 0  # positions alone

@@ -14,16 +14,23 @@ exactly lossless.
 
 from __future__ import annotations
 
-import inspect
+import threading
+import weakref
 from dataclasses import dataclass, field
 
 import torch
 
 from ..cache import KVPressCache
-from ..integrations.hf import _PATCHES, patch_model, with_cache
+from ..integrations.hf import _PATCHES, with_cache
+from ..integrations.patching import patch_model
 from ..policies import KIVI, Quant4View, Quest, ReadPolicy, Retrieval, SinkWindow, TopK
+from ..policies.registry import check_params, resolve_policy
 
 DRAFTS = {"sink_window": SinkWindow, "retrieval": Retrieval, "quest": Quest, "topk": TopK, "quant4": Quant4View}
+# An unpatched model is patched for the calls that run on it (the target policy), and unpatched when the last of them
+# returns: calls on several threads at once share that one patch (model -> [patch, calls using it]).
+_SHARED: "weakref.WeakKeyDictionary[torch.nn.Module, list]" = weakref.WeakKeyDictionary()
+_SHARED_LOCK = threading.Lock()
 
 
 @dataclass
@@ -90,7 +97,7 @@ def _check(draft, gamma, max_new_tokens, do_sample, temperature, top_p, draft_bu
     if not _whole(gamma) or gamma < 1:
         raise ValueError(f"gamma={gamma!r}; allowed values: an int >= 1")
     if draft_budget is not None and (not _whole(draft_budget) or draft_budget < 1):
-        raise ValueError(f"draft_budget={draft_budget!r}; allowed values: None (10% of the prompt, at least 64) or "
+        raise ValueError(f"draft_budget={draft_budget!r}; allowed values: None (10% of the prompt, 64 to the prompt) or "
                          f"an int >= 1")
     if not _whole(max_new_tokens) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens!r}; allowed values: an int >= 1")
@@ -98,6 +105,48 @@ def _check(draft, gamma, max_new_tokens, do_sample, temperature, top_p, draft_bu
         raise ValueError(f"temperature={temperature!r}; allowed values: a float > 0")
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p={top_p!r}; allowed values: a float in (0, 1]")
+
+
+def _draft_and_target(draft, draft_params: dict, draft_budget, gamma: int, existing, context: int):
+    """(the draft's read view, the policy to patch an unpatched model with), every argument checked first."""
+    changes = [p.decode_change for p in existing.policy.parts() if not p.is_codec] if existing is not None else []
+    if any(changes):  # a codec's flushes are kept out of every round instead (_loop)
+        raise ValueError(f"model is patched with {existing.policy.describe()}, which {next(c for c in changes if c)}: "
+                         f"a rejected draft could not be rolled back exactly; allowed: an unpatched model, or a policy "
+                         f"that acts only at prefill (e.g. none, snapkv, kivi)")
+    if draft == "quant4" or isinstance(draft, Quant4View):
+        # QuantSpec: the target reads 8-bit codes (the reference it is lossless to), the draft their upper 4 bits
+        codec = next((p for p in existing.policy.parts() if p.is_codec), None) if existing is not None else None
+        if existing is not None and not (isinstance(codec, KIVI) and codec.bits == 8):
+            raise ValueError("draft='quant4' reads the upper half of 8-bit codes; allowed: an unpatched model, or one "
+                             "patched with kivi bits=8")
+        if existing is not None and draft_params:
+            raise ValueError(f"draft='quant4' on a model patched with {existing.policy.describe()}: the patch's codec "
+                             f"is used, so {sorted(draft_params)} would be ignored; allowed: no KIVI parameters here")
+        if "bits" in draft_params:
+            raise ValueError(f"bits={draft_params['bits']!r}: draft='quant4' stores 8-bit codes; allowed: KIVI's "
+                             f"group_size and residual_length")
+        check_params(KIVI, draft_params)
+        target = KIVI(bits=8, **draft_params) if existing is None else codec
+        if target.residual_length < gamma:
+            raise ValueError(f"gamma={gamma} exceeds the full-precision residual, which must hold the drafts; "
+                             f"allowed values: gamma <= residual_length")
+        return Quant4View(), target
+    if not isinstance(draft, str):
+        if draft_params:
+            raise ValueError(f"draft={draft!r} is a ReadPolicy instance: {sorted(draft_params)} would be ignored; "
+                             f"allowed: set them on the instance")
+        return draft, "none"
+    if "budget" in draft_params:
+        raise ValueError(f"budget={draft_params['budget']!r}: the draft's budget is draft_budget; allowed: "
+                         f"draft_budget=<int>")
+    check_params(DRAFTS[draft], draft_params)
+    # 10% of the shortest prompt, at least 64 tokens, at most the prompt itself (a short prompt is read whole)
+    budget = draft_budget if draft_budget is not None else min(context, max(64, context // 10))
+    if budget > context:
+        raise ValueError(f"draft_budget={budget} is larger than the context ({context} tokens); allowed "
+                         f"values: 1 <= draft_budget <= {context}")
+    return DRAFTS[draft](budget=budget, **draft_params), "none"
 
 
 @torch.no_grad()
@@ -109,7 +158,8 @@ def speculative_generate(model, input_ids, attention_mask=None, *, draft="sink_w
 
     draft: "sink_window" (sinks + window, MagicDec's StreamingLLM-style view), "retrieval" (TriForce chunks),
     "quest" (pages), "topk", or a
-    ReadPolicy; draft_budget: tokens the draft reads (default 10% of the shortest prompt, at least 64).
+    ReadPolicy; draft_budget: tokens the draft reads (default 10% of the shortest prompt, at least 64, at most the
+    prompt); draft_params: the draft's own parameters (e.g. page_size for quest).
     draft="quant4": the cache is stored as 8-bit KIVI codes (the target reads them whole, so outputs equal the
     8-bit-KV model's) and the draft reads their upper 4 bits; draft_params then configure KIVI.
     eos_token_id / pad_token_id: None takes the model's generation_config, as `generate` does (eos_token_id=[]
@@ -119,43 +169,37 @@ def speculative_generate(model, input_ids, attention_mask=None, *, draft="sink_w
     config = model.generation_config
     eos_token_id = config.eos_token_id if eos_token_id is None else eos_token_id
     pad_token_id = config.pad_token_id if pad_token_id is None else pad_token_id
-    batch, prompt_len = input_ids.shape
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
     context = int(mask.sum(-1).min())
-    existing = _PATCHES.get(model)
-    if existing is not None and (existing.policy.evicts_during_decode or existing.policy.selects):
-        raise ValueError(f"model is patched with {existing.policy.name!r}, which changes decode steps; allowed: an "
-                         f"unpatched model, or a policy that only acts at prefill (e.g. none, snapkv, kivi)")
-    target_policy = "none"
-    if draft == "quant4" or isinstance(draft, Quant4View):
-        # QuantSpec: the target reads 8-bit codes (the reference it is lossless to), the draft their upper 4 bits
-        view = Quant4View()
-        codec = next((p for p in existing.policy.parts() if p.is_codec), None) if existing is not None else None
-        if existing is not None and not (isinstance(codec, KIVI) and codec.bits == 8):
-            raise ValueError("draft='quant4' reads the upper half of 8-bit codes; allowed: an unpatched model, or one "
-                             "patched with kivi bits=8")
-        if (codec.residual_length if codec is not None else KIVI().residual_length) < gamma:
-            raise ValueError(f"gamma={gamma} exceeds the full-precision residual, which must hold the drafts; "
-                             f"allowed values: gamma <= residual_length")
-        target_policy = KIVI(bits=8, **draft_params)
-    elif isinstance(draft, str):
-        budget = draft_budget if draft_budget is not None else max(64, context // 10)
-        if budget > context:
-            raise ValueError(f"draft_budget={budget} is larger than the context ({context} tokens); allowed "
-                             f"values: 1 <= draft_budget <= {context}")
-        view = DRAFTS[draft](budget=budget, **draft_params)
-    else:
-        view = draft
-    patch = None if existing is not None else patch_model(model, target_policy)
+    with _SHARED_LOCK:
+        shared = _SHARED.get(model)
+        existing = _PATCHES.get(model)
+        joining = shared is not None and existing is shared[0]  # another thread's call patched the model for itself
+        view, target_policy = _draft_and_target(draft, draft_params, draft_budget, gamma,
+                                                None if joining else existing, context)
+        if joining and resolve_policy(target_policy) != existing.policy:
+            raise ValueError(f"speculative_generate runs on this model in another thread with a target patched as "
+                             f"{existing.policy.describe()}; this call needs {resolve_policy(target_policy).describe()}; "
+                             f"allowed: the same draft settings, or patch the model yourself before the threads start")
+        if joining:
+            shared[1] += 1
+        elif existing is None:
+            shared = _SHARED[model] = [patch_model(model, target_policy), 1]
+        else:
+            shared = None  # the caller's own patch
     try:
-        return _loop(model, input_ids, mask, view, gamma, max_new_tokens, do_sample, temperature, top_p,
-                     eos_token_id, pad_token_id, generator, return_stats)
+        return _loop(model, _PATCHES[model].policy, input_ids, mask, view, gamma, max_new_tokens, do_sample,
+                     temperature, top_p, eos_token_id, pad_token_id, generator, return_stats)
     finally:
-        if patch is not None:
-            patch.unpatch()
+        if shared is not None:
+            with _SHARED_LOCK:
+                shared[1] -= 1
+                if shared[1] == 0:  # the last call on the model it patched
+                    del _SHARED[model]
+                    shared[0].unpatch()
 
 
-def _loop(model, input_ids, prompt_mask, view, gamma, max_new_tokens, do_sample, temperature, top_p,
+def _loop(model, policy, input_ids, prompt_mask, view, gamma, max_new_tokens, do_sample, temperature, top_p,
           eos_token_id, pad_token_id, generator, return_stats):
     batch, prompt_len = input_ids.shape
     cache = KVPressCache(model.config)
@@ -187,6 +231,13 @@ def _loop(model, input_ids, prompt_mask, view, gamma, max_new_tokens, do_sample,
     produced = 1
     while produced < max_new_tokens and not bool(finished.all()):
         g = min(gamma, max_new_tokens - produced - 1)
+        # A codec flushes old tokens to low-bit codes after the step that fills its window: a round (g drafts, then
+        # g + 1 verified) stays short of that step, so nothing is flushed inside it (a rollback could not undo it)
+        # and the flush comes at the very step plain decoding takes it. A round of 0 drafts is a plain step.
+        room = min((n for _, layer in cache.kvpress_layers()
+                    if (n := policy.appends_before_change(layer)) is not None), default=None)
+        if room is not None:
+            g = max(0, min(g, room - 1))
         last = out[-1][:, -1:]
         drafts, q_probs = [], []
         cache.read_policy = view

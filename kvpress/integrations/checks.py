@@ -1,0 +1,74 @@
+"""What a patched model's forwards and generate calls may be given. The model-level forward pre-hook (patch.py) calls
+check_forward for every forward, whoever calls it, before the forward changes anything, and the generate wrapper
+calls check_generate before generate starts: compression never switches itself off without a word, and a refused
+call leaves its cache exactly as it was."""
+
+from __future__ import annotations
+
+from ..cache import KVPressCache
+from .hf import _PATCHES, given_cache
+
+
+def check_forward(patch, decoder, args, kwargs) -> None:
+    """Raise (ValueError for the caller's input, RuntimeError for a patch changed under the call) unless `patch` can
+    serve this forward of `decoder` as asked."""
+    if _PATCHES.get(patch.model) is not patch:  # unpatch() ran on another thread just as this forward started
+        raise RuntimeError("kvpress: this model was unpatched (by another thread) as this forward started; "
+                           "run the call again")
+    if decoder.config._attn_implementation != patch.attn_implementation:
+        raise RuntimeError(
+            f"attn_implementation was changed to {decoder.config._attn_implementation!r} while kvpress patched "
+            f"this model (it must stay {patch.attn_implementation!r}); unpatch() first, change it, then patch again")
+    cache = given_cache(kwargs)
+    if cache is not None and not isinstance(cache, KVPressCache):
+        raise ValueError(
+            f"{'cache' if kwargs.get('cache') is not None else 'past_key_values'}={type(cache).__name__}: a "
+            f"kvpress-patched model compresses only a KVPressCache; "
+            f"allowed values: kvpress.KVPressCache(model.config), or None (generate then makes one)")
+    if not isinstance(cache, KVPressCache):
+        return  # no cache: the model's own attention runs (attention weights included)
+    asked = kwargs.get("output_attentions")
+    if asked or (asked is None and getattr(decoder.config, "output_attentions", False)):
+        raise ValueError(f"output_attentions=True: kvpress's attention ({patch.policy.describe()}) reads the "
+                         f"KVPressCache's own storage and returns no attention weights; allowed: "
+                         f"output_attentions=False, or the weights of the unpatched model (patch.unpatch())")
+    if cache.question_ids is not None and patch.prefill_chunk_size is None:
+        raise ValueError("KVPressCache(question_ids=...) gives the question to a chunked prefill, but this patch "
+                         "prefills in one shot; allowed: patch_model(..., prefill_chunk_size=<int>), or a cache "
+                         "without question_ids (a one-shot prefill judges the prompt with its own last tokens)")
+    if cache.layer_kinds is not None and cache.layer_kinds != patch.layer_kinds:
+        (kinds, window), (own, own_window) = cache.layer_kinds, patch.layer_kinds
+        raise ValueError(f"cache: a KVPressCache built for another model's layers ({_describe(kinds, window)}); "
+                         f"this model has {_describe(own, own_window)}; allowed values: KVPressCache(model.config)")
+    prompt = cache.probe is None and cache.get_seq_length() == 0
+    if prompt and patch.needs.prompt_ids and kwargs.get("input_ids") is None and not args:
+        raise ValueError(f"inputs_embeds: {patch.policy.describe()} reads the prompt's token ids after the prompt "
+                         f"(KVzip replays them), which embeddings do not give back; allowed: input_ids")
+    if cache.broken is not None:
+        raise ValueError(f"cache: {cache.broken}; allowed values: a new kvpress.KVPressCache(model.config)")
+
+
+def _describe(kinds: tuple, window: int | None) -> str:
+    sliding = sum(kind == "sliding_attention" for kind in kinds)
+    return f"{len(kinds)} layers, {sliding} of them sliding windows" + (f" of {window} tokens" if sliding else "")
+
+
+# generate arguments that make transformers draft tokens, verify them in one forward and crop the rejected ones
+_ASSISTED = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit")
+
+
+def check_generate(patch, model, kwargs) -> None:
+    """Raise ValueError, before generate starts, for a transformers decoding strategy the patch cannot serve."""
+    config = kwargs.get("generation_config") or model.generation_config
+    asked = [name for name in _ASSISTED if (kwargs[name] if name in kwargs else getattr(config, name, None)) is not None]
+    policy = patch.policy
+    if asked and policy.name != "none":
+        # the first verification forward is the prompt plus the first drafts: a prompt compressed with unverified
+        # drafts in it, which the crop of the rejected ones cannot take out (nor a decode step's eviction or flush)
+        change = f", and {policy.decode_change}" if policy.decode_change else ""
+        raise ValueError(
+            f"{asked[0]}: transformers' assisted / prompt-lookup decoding runs the prompt and its first drafts in one "
+            f"forward and crops the rejected drafts from the cache; {policy.describe()} compresses that forward with "
+            f"the unverified drafts in it{change}, which a crop cannot undo (the output would differ from plain "
+            f"decoding); allowed: kvpress.speculative_generate (self-speculation over the compressed cache, exact), "
+            f"or policy='none'")

@@ -1,0 +1,52 @@
+"""kvpress's own commands (`kvpress`, `kvpress calibrate`, `kvpress-models`) refuse bad input before any work, with a
+message naming the flag and the allowed values and exit status 2, never a traceback (issue 30 item 16). Run as the
+user runs them: a new interpreter (python -m), with this checkout first on the path."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def command(module, *argv, cwd=ROOT):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-m", module, *argv], capture_output=True, text=True, env=env, cwd=cwd,
+                          timeout=300)
+
+
+def test_kvpress_help_lists_the_commands_and_exits_0():
+    done = command("kvpress.cli", "--help")
+    assert done.returncode == 0 and "calibrate" in done.stdout and done.stderr == ""
+    done = command("kvpress.cli", "calibrat")
+    assert done.returncode == 2 and "kvpress: error: 'calibrat'; allowed values: calibrate" in done.stderr
+
+
+def test_kvpress_models_refuses_an_unknown_name_before_any_download():
+    done = command("kvpress.models", "smolm2")
+    assert done.returncode == 2 and "'smolm2' is unknown; allowed values: gemma3, smollm2" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--model", "no/such/folder"], "--model='no/such/folder': not a folder with config.json, nor a kvpress model"),
+    (["--model", "smollm2", "--texts", "2", "--out", "{folder}/c.safetensors"],
+     "--texts=2; allowed values: an int >= 5 (4 texts are held out"),
+    (["--model", "smollm2", "--tokens", "0", "--out", "{folder}/c.safetensors"], "--tokens=0; allowed values: an int >= 64"),
+    (["--model", "smollm2", "--out", "{file}/calibration.safetensors"], "--out="),
+    (["--model", "smollm2", "--out", "{folder}"], "is a folder; allowed values: a file path you can write to"),
+])
+def test_kvpress_calibrate_checks_every_flag_before_the_model_loads(argv, message, tmp_path):
+    """A missing model folder gave a hub repo-id error, --texts 2 a traceback with internal names, --tokens 0 wrote
+    a file, an unwritable --out failed after the whole calibration ran. (--out points into tmp_path wherever the
+    case allows: code that does not refuse must not overwrite the calibration installed beside the model.)"""
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    argv = [a.format(file=blocker, folder=tmp_path) for a in argv]
+    done = command("kvpress.cli", "calibrate", *argv, cwd=tmp_path)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "kvpress calibrate: error: --" in done.stderr and message in done.stderr
+    assert "Traceback" not in done.stderr and list(tmp_path.iterdir()) == [blocker]
