@@ -500,7 +500,7 @@ def test_smollm2_snapkv_kivi_batch_of_two_left_padded(smollm2):
     assert layer.quantized_len > 0 and layer.key_valid_or_none() is not None
     kept = layer.tokens_per_head()
     n_real = batch.attention_mask.sum(1)
-    assert kept[:, 0].tolist() == [int(n - n // 2) + 5 for n in n_real]
+    assert kept[:, 0].tolist() == [int(n - (n + 1) // 2) + 5 for n in n_real]  # N - ceil(N / 2) kept, + 5 new
 
 
 # ---------------------------------------------------------------------------- bad input
