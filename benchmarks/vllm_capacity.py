@@ -124,8 +124,8 @@ def table(rows: list[dict]) -> str:
     lines = ["| config | running at once | vs stock | generated tok/s | vs stock | pages per request | wall s | "
              "prompt steps s | decode-only steps s |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        vs_running = f"{r['running'] / stock['running']:.2f}x" if stock else ""
-        vs_speed = f"{r['tok_s'] / stock['tok_s']:.2f}x" if stock else ""
+        vs_running = f"{r['running'] / stock['running']:.2f}x" if stock and stock["running"] else ""
+        vs_speed = f"{r['tok_s'] / stock['tok_s']:.2f}x" if stock and stock["tok_s"] else ""
         lines.append(f"| {r['config']} | {r['running']} | {vs_running} | {r['tok_s']} | {vs_speed} | {r['pages']} | "
                      f"{r['wall_s']} | {r['prompt_steps_s']} | {r['decode_steps_s']} |")
     return "\n".join(lines)

@@ -65,12 +65,12 @@ def check(configs, modes, device: str) -> None:
 
 
 @contextlib.contextmanager
-def _engine(path, settings: dict, dtype: str, max_model_len: int, kv_bytes: int):
+def open_engine(path, kvpress: dict | None, **llm_kwargs):
+    """vLLM's LLM on the model folder `path`, with kvpress settings when given; its engine shut down on exit (an
+    engine that runs in this process keeps its memory until it is shut down)."""
     from vllm import LLM
 
-    llm = LLM(str(path), additional_config={"kvpress": settings}, dtype=dtype, enforce_eager=True,
-              max_model_len=max_model_len, kv_cache_memory_bytes=kv_bytes, enable_prefix_caching=False,
-              disable_log_stats=False, seed=0)
+    llm = LLM(str(path), additional_config={"kvpress": kvpress} if kvpress else {}, **llm_kwargs)
     try:
         yield llm
     finally:
@@ -96,7 +96,9 @@ def evaluate(path, tokenizer, work: list, config, dtype: str, kv_bytes: int, sto
     text = _text_config(path)
     token_bytes = 2 * text.num_hidden_layers * text.num_key_value_heads * _head_dim(text) * (4 if dtype == "float32"
                                                                                                else 2)
-    with _engine(path, settings, dtype, -(-longest // PAGE) * PAGE, kv_bytes) as llm:
+    with open_engine(path, settings, dtype=dtype, enforce_eager=True, max_model_len=-(-longest // PAGE) * PAGE,
+                     kv_cache_memory_bytes=kv_bytes, enable_prefix_caching=False, disable_log_stats=False,
+                     seed=0) as llm:
         prompts = [TokensPrompt(prompt_token_ids=p.head + p.tail) for p in pending]
         params = [SamplingParams(max_tokens=p.sample.max_new_tokens, temperature=0, stop_token_ids=stop)
                   for p in pending]

@@ -1,11 +1,9 @@
 """Helpers of the vLLM plugin's tests: engines on SmolLM2 and what to read from them."""
 
-import contextlib
-import gc
-
 import pytest
-from vllm import LLM, SamplingParams, TokensPrompt
+from vllm import SamplingParams, TokensPrompt
 
+from evals.vllm_engine import open_engine
 from kvpress.models import is_available, model_path
 
 PAGE = 128  # vLLM's default block size on CPU
@@ -26,20 +24,12 @@ def model_folder(name: str) -> str:
     return str(folder)
 
 
-@contextlib.contextmanager
 def engine(kvpress: dict | None = None, model: str = "smollm2", **kwargs):
     """An LLM on SmolLM2 (or another prepared model; fp32, eager), with kvpress settings when given; shut down on
     exit."""
     settings = dict(dtype="float32", enforce_eager=True, max_model_len=4096, kv_cache_memory_bytes=KV_BYTES,
                     enable_prefix_caching=False, seed=0)
-    settings.update(kwargs)
-    llm = LLM(model_folder(model), additional_config={"kvpress": kvpress} if kvpress else {}, **settings)
-    try:
-        yield llm
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()
+    return open_engine(model_folder(model), kvpress, **{**settings, **kwargs})
 
 
 def greedy(llm, prompts, max_tokens=16, ignore_eos=True) -> list[list[int]]:
