@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="transformers (kvpress.patch_model), or vllm: the same samples through vLLM serving kvpress "
                         "(run from the environment `make vllm` builds; one engine per config; query_aware only)")
     p.add_argument("--kv-cache-gib", type=float, default=2.0, help="--engine vllm: the engine's KV cache size (GiB)")
+    p.add_argument("--page-tokens", type=int, default=128,
+                   help="--engine vllm: tokens per KV page (vLLM's block size; a multiple of 32 on CPU). A request "
+                        "keeps its budget raised to whole pages: smaller pages keep closer to the ratio")
     p.add_argument("--device", default="auto", help="auto (cuda:LOCAL_RANK if available, else cpu), cpu, cuda:0...")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto: float32 on CPU, bfloat16 on GPU")
@@ -229,6 +232,9 @@ def make_plan(args) -> Plan:
         if args.tensor_parallel or args.kv_cache_gib <= 0:
             raise ValueError(f"--engine vllm runs on one process with a positive --kv-cache-gib; got "
                              f"--tensor-parallel={args.tensor_parallel}, --kv-cache-gib={args.kv_cache_gib}")
+        if args.page_tokens < 32 or args.page_tokens % 32:
+            raise ValueError(f"--page-tokens={args.page_tokens}; allowed values: a positive multiple of 32 (vLLM's "
+                             f"CPU attention)")
         vllm_engine.check(configs, modes, args.device)
     records = {}
     if args.task == "longbench":
@@ -411,7 +417,7 @@ def _run_engine(plan: Plan, args, tokenizer, items: list, done: set, sink, bar) 
         if work:
             bar.set_postfix_str(f"{config.policy} {config.ratio}: {len(work)} samples through vLLM", refresh=True)
             rows = vllm_engine.evaluate(plan.model_path, tokenizer, work, config, args.dtype,
-                                        int(args.kv_cache_gib * 2**30), stop)
+                                        int(args.kv_cache_gib * 2**30), stop, args.page_tokens)
             by_sample = {}
             for row in rows:
                 by_sample.setdefault((row["task"], row["index"]), []).append(row)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from .metrics import score_prediction
 from .samples import encode
 
-PAGE = 128  # vLLM's block size on CPU
+PAGE = 128  # vLLM's default block size on CPU (its CPU attention takes multiples of 32)
 
 
 @dataclass(frozen=True)
@@ -79,8 +79,10 @@ def open_engine(path, kvpress: dict | None, **llm_kwargs):
         gc.collect()
 
 
-def evaluate(path, tokenizer, work: list, config, dtype: str, kv_bytes: int, stop: list) -> list[dict]:
-    """Rows (one per pending prompt) of `config` through one engine. `work`: (sample, length) pairs."""
+def evaluate(path, tokenizer, work: list, config, dtype: str, kv_bytes: int, stop: list,
+             page: int = PAGE) -> list[dict]:
+    """Rows (one per pending prompt) of `config` through one engine with pages of `page` tokens. `work`: (sample,
+    length) pairs."""
     from vllm import SamplingParams, TokensPrompt
 
     from kvpress.integrations.prompts import evicted_tokens
@@ -96,8 +98,8 @@ def evaluate(path, tokenizer, work: list, config, dtype: str, kv_bytes: int, sto
     text = _text_config(path)
     token_bytes = 2 * text.num_hidden_layers * text.num_key_value_heads * _head_dim(text) * (4 if dtype == "float32"
                                                                                                else 2)
-    with open_engine(path, settings, dtype=dtype, enforce_eager=True, max_model_len=-(-longest // PAGE) * PAGE,
-                     kv_cache_memory_bytes=kv_bytes, enable_prefix_caching=False, disable_log_stats=False,
+    with open_engine(path, settings, dtype=dtype, enforce_eager=True, max_model_len=-(-longest // page) * page,
+                     block_size=page, kv_cache_memory_bytes=kv_bytes, enable_prefix_caching=False, disable_log_stats=False,
                      seed=0) as llm:
         prompts = [TokensPrompt(prompt_token_ids=p.head + p.tail) for p in pending]
         params = [SamplingParams(max_tokens=p.sample.max_new_tokens, temperature=0, stop_token_ids=stop)
@@ -109,8 +111,8 @@ def evaluate(path, tokenizer, work: list, config, dtype: str, kv_bytes: int, sto
         completion = out.outputs[0]
         prediction = tokenizer.decode(completion.token_ids, skip_special_tokens=True)
         n = len(p.head) + len(p.tail)
-        kept = n - evicted_tokens(policy, n, PAGE)
-        pages = -(-n // PAGE) - (n - kept) // PAGE
+        kept = n - evicted_tokens(policy, n, page)
+        pages = -(-n // page) - (n - kept) // page
         timing = out.metrics
         rows.append(dict(
             task=sample.task, index=sample.index, length=sample.meta.get("target_length"), n_tokens=n,
@@ -118,7 +120,7 @@ def evaluate(path, tokenizer, work: list, config, dtype: str, kv_bytes: int, sto
             answers=question.answers,
             score=score_prediction(sample.metric, prediction, question.answers, sample.meta.get("all_classes"),
                                    sample.meta.get("first_line", False)),
-            kv_bytes=kept * token_bytes, cache_bytes=pages * PAGE * token_bytes,
+            kv_bytes=kept * token_bytes, cache_bytes=pages * page * token_bytes, page_tokens=page,
             prefill_s=round(timing.first_token_ts - timing.scheduled_ts, 4),
             decode_s=round(timing.last_token_ts - timing.first_token_ts, 4), batch=len(pending),
             new_tokens=len(completion.token_ids), engine="vllm",

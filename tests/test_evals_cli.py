@@ -142,6 +142,8 @@ def test_summarize_only_rebuilds_outputs(tiny_dir, tmp_path):
 
 @pytest.mark.parametrize("flags, message", [
     (["--engine", "vllm", "--policies", "snapkv", "--ratios", "0.5"], "vLLM is not installed"),
+    (["--engine", "vllm", "--page-tokens", "48", "--policies", "snapkv", "--ratios", "0.5"],
+     "--page-tokens=48; allowed values: a positive multiple of 32"),
     (["--engine", "tgi", "--policies", "snapkv", "--ratios", "0.5"], None),
 ])
 def test_engine_flag_is_checked_before_any_model_loads(tiny_dir, tmp_path, no_model, flags, message):
