@@ -27,7 +27,8 @@ def test_the_engine_answers_the_same_samples_and_writes_the_same_rows(tmp_path):
     token_bytes = 2 * 30 * 3 * 64 * 4  # SmolLM2 fp32: K and V, 30 layers, 3 KV heads of 64
     for key, row in ours.items():
         other = theirs[key]
-        assert set(row) - {"engine"} == set(other) and row["n_tokens"] == other["n_tokens"]
+        assert set(row) - {"engine", "page_tokens"} == set(other) and row["n_tokens"] == other["n_tokens"]
+        assert row["engine"] == "vllm" and row["page_tokens"] == 128  # vLLM's default block size on CPU
         if row["policy"] == "none":  # exact on both paths: the same answer, the same bytes
             assert row["prediction"] == other["prediction"] and row["kv_bytes"] == other["kv_bytes"]
         else:  # the engine keeps the budget raised to whole pages of 128 tokens
