@@ -45,19 +45,6 @@ COMPOSED = {
 }
 
 
-# Not yet: these group slots from the batch's first slot, not from each row's first token. KIVI/GEAR quantize keys
-# in groups of group_size slots and flush to codes by slot count, so a row behind padding that is not a multiple of
-# group_size is grouped (and flushed) differently.
-# Composed after an eviction too: a row that kept fewer tokens than another sits behind filler slots. Per-row
-# groups need each row's first real slot and per-row flush counts.
-NOT_YET = set()
-
-
-def _cases(names):
-    return [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason="groups align to the batch's first slot"))
-            if n in NOT_YET else n for n in sorted(names)]
-
-
 def test_every_registered_policy_is_covered():
     assert set(kvpress.list_policies()) == set(PARAMS)
 
@@ -101,12 +88,12 @@ def _params(name, calibration):
     return params
 
 
-@pytest.mark.parametrize("name", _cases(PARAMS))
+@pytest.mark.parametrize("name", sorted(PARAMS))
 def test_left_padded_row_equals_the_row_alone(name, llama_file):  # noqa: F811
     _assert_rows_as_alone(name, _params(name, llama_file))
 
 
-@pytest.mark.parametrize("name", _cases(COMPOSED))
+@pytest.mark.parametrize("name", sorted(COMPOSED))
 def test_left_padded_row_equals_the_row_alone_composed(name, llama_file):  # noqa: F811
     _assert_rows_as_alone(name, _params(name, llama_file))
 
