@@ -13,8 +13,9 @@ from ..kernels.online_softmax import Queries, dense_attention_state, empty_state
 from ..kernels.quant_attention import flat_lowbit_attention_state, lowbit_attention_state
 from ..kernels.sparse_attention import GATHER_SLOTS, flat_attention_state, sparse_attention
 from . import rollback
-from .codecs import LowBitCodes, take_slots
-from .segments import FullPrecision, Segment, dense
+from ..formats.slots import take_slots
+from .payloads import FullPrecision
+from .segments import Segment, dense
 
 _MASK_ROWS = 256  # query rows per block when dense attention needs a mask built from stored positions
 # base(...)'s mask when every query may read every stored slot: the model's attention runs with no mask at all
@@ -575,7 +576,7 @@ class KVPressLayer(CacheLayerMixin):
                        {name: s[..., n:].clone() for name, s in tail.state.items()})
         low_bit = self.low_bit
         if low_bit is not None:
-            moved = Segment(low_bit.data.append(moved.data), _cat(low_bit.positions, moved.positions),
+            moved = Segment(low_bit.data.cat(moved.data), _cat(low_bit.positions, moved.positions),
                             _cat_valid(low_bit, moved), {name: torch.cat([low_bit.state[name], s], -1)
                                                           for name, s in moved.state.items()})
         self.segments = [moved, rest]
@@ -815,7 +816,7 @@ class KVPressLayer(CacheLayerMixin):
                 keys = None if fp32_keys is None else fp32_keys.get(i)
                 if keys is None:
                     keys = self._view_part(segment, values=False, dtype=torch.float32).float()
-                    if fp32_keys is not None and segment_dtype(segment) != torch.float32:
+                    if fp32_keys is not None and segment.data.key_dtype != torch.float32:
                         fp32_keys[i] = keys
                 parts.append(torch.einsum("bhgrd,bhtd->bhgrt", q, keys[:, :, :n]))
             offset += segment.width
@@ -893,10 +894,6 @@ class KVPressLayer(CacheLayerMixin):
 def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
     """Per-segment views joined along the slot axis (no copy for a layer of one segment)."""
     return parts[0] if len(parts) == 1 else torch.cat(parts, -1)
-
-
-def segment_dtype(segment: Segment):
-    return segment.data.keys.dtype if isinstance(segment.data, FullPrecision) else torch.float32
 
 
 def _cat(a, b):
