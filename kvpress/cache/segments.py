@@ -14,8 +14,8 @@ attention. Two choices make a segment:
 Every per-slot tensor has the slot axis at dim 2, in both layouts, so one gather serves both. A segment is a
 value: operations return new segments and never write into tensors they share with another segment, except
 `FullPrecision.append`, which writes one-token appends into spare room that the payload allocated itself (and
-that copies give up, see `detach`). Which segments a layer may hold, and in which order, is decided in
-KVPressLayer (one place).
+that copies give up, see `detach`). Which segments a layer may hold, and in which order, is decided by the layer
+(layer.py; eviction.compact and flush.py make the layouts).
 """
 
 from __future__ import annotations
