@@ -420,13 +420,13 @@ def test_self_speculation_over_an_adaptive_cache_is_lossless():
 
 def test_masked_attention_in_query_blocks_equals_one_block(monkeypatch):
     """A long chunk over a compacted layer runs its dense-mask attention in row blocks; same logits as one block."""
-    from kvpress.cache import layer as layer_module
+    from kvpress.cache import read as read_module
 
     model = tiny_model("llama")
     ids = torch.randint(3, 128, (1, 700), generator=torch.Generator().manual_seed(7))
     outs = []
-    for rows in (layer_module._MASK_ROWS, 10**9):
-        monkeypatch.setattr(layer_module, "_MASK_ROWS", rows)
+    for rows in (read_module.MASK_ROWS, 10**9):
+        monkeypatch.setattr(read_module, "MASK_ROWS", rows)
         with kvpress.patch_model(model, "snapkv", compression_ratio=0.5, window_size=8, prefill_chunk_size=300):
             outs.append(model(ids, past_key_values=KVPressCache(model.config), logits_to_keep=0).logits)
     assert outs[0].shape[1] == 700

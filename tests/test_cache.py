@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kvpress import KVPressCache, KVPressLayer
-from kvpress.cache.segments import take_slots
+from kvpress.formats.slots import take_slots
 
 
 def filled(batch=2, heads=3, length=10, dim=4, valid=None):

@@ -7,7 +7,8 @@ from transformers import DynamicCache
 import kvpress
 from kvpress import KVPressCache, KVPressLayer
 from kvpress.integrations.hf import given_cache
-from kvpress.cache.codecs import encode_gear, encode_kivi, pack, unpack, unpack_floats
+from kvpress.cache.codecs import encode_gear, encode_kivi
+from kvpress.formats.lowbit import pack, unpack, unpack_floats
 from kvpress.kernels import allowed_mask
 from kvpress.kernels.online_softmax import Queries, dense_attention_state, finish
 from kvpress.kernels.quant_attention import (codes_domain_attention_state, lowbit_attention_state,
@@ -365,7 +366,7 @@ def test_gear_attention_reference_equals_dense():
     # the CPU path: GEAR's low-rank term and both kinds of outliers as corrections to the codes' contraction,
     # one encoded chunk (one basis) and two
     two = encode_gear(k[:, :, :16], v[:, :, :16], valid[..., :16], 2, 16, rank=2, outlier_ratio=0.25,
-                      power_iters=3).append(encode_gear(k[:, :, 16:], v[:, :, 16:], valid[..., 16:32], 2, 16, rank=2,
+                      power_iters=3).cat(encode_gear(k[:, :, 16:], v[:, :, 16:], valid[..., 16:32], 2, 16, rank=2,
                                                         outlier_ratio=0.25, power_iters=3))
     assert two.k_basis.shape[2] == 2 and two.chunk.unique().tolist() == [0, 1]
     from kvpress.kernels import lowbit_native

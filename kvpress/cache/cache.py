@@ -10,6 +10,7 @@ from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 
 from .layer import KVPressLayer
 from .rollback import crop_refusal
+from .rows import stack_rows
 
 
 def _layer_types(config) -> list[str] | None:
@@ -197,12 +198,12 @@ class KVPressCache(Cache):
 
     @classmethod
     def stack(cls, caches: list["KVPressCache"]) -> "KVPressCache":
-        """One batch whose rows are single-row caches that have seen the same tokens (see KVPressLayer.stack);
+        """One batch whose rows are single-row caches that have seen the same tokens (see rows.stack_rows);
         layers that kvpress does not compress (sliding windows) are identical across rows and repeated."""
         out = caches[0].fork()
         for i, layer in enumerate(out.layers):
             if isinstance(layer, KVPressLayer):
-                out.layers[i] = KVPressLayer.stack([c.layers[i] for c in caches])
+                out.layers[i] = stack_rows([c.layers[i] for c in caches])
             elif getattr(layer, "is_initialized", False):
                 layer.batch_repeat_interleave(len(caches))
         return out

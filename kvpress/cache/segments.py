@@ -8,13 +8,14 @@ attention. Two choices make a segment:
            flat         each (row, head) owns one contiguous run of a shared store, in (row, head, position)
                         order, `lengths` [B, Hkv] long; tensors [1, 1, N, ...] with N = lengths.sum(): no
                         padding, so the bytes held are exactly the tokens kept (heads that keep different counts)
-  payload  FullPrecision (keys/values as computed) or LowBitCodes (KIVI/GEAR codes, codecs.py)
+  payload  FullPrecision (keys/values as computed) or LowBitCodes (KIVI/GEAR codes): one protocol, `Payload`
+           (payloads.py), so a segment never asks which kind it holds
 
 Every per-slot tensor has the slot axis at dim 2, in both layouts, so one gather serves both. A segment is a
 value: operations return new segments and never write into tensors they share with another segment, except
 `FullPrecision.append`, which writes one-token appends into spare room that the payload allocated itself (and
-that copies give up, see `detach`). Which segments a layer may hold, and in which order, is decided in
-KVPressLayer (one place).
+that copies give up, see `detach`). Which segments a layer may hold, and in which order, is decided by the layer
+(layer.py; eviction.compact and flush.py make the layouts).
 """
 
 from __future__ import annotations
@@ -25,104 +26,17 @@ from dataclasses import dataclass, field
 import torch
 
 from ..kernels.sparse_attention import run_grid
-from .codecs import LowBitCodes, take_slots
+from .payloads import FullPrecision, Payload
 
 
-# ---------------------------------------------------------------------------- full-precision payload
-@dataclass
-class FullPrecision:
-    """Keys/values [b, h, t, D] in the model's dtype. `room` (keys, values buffers with spare slots) is set when
-    this payload allocated its own buffers: keys/values are then their filled prefix."""
-
-    keys: torch.Tensor
-    values: torch.Tensor
-    room: tuple | None = None
-
-    @property
-    def num_slots(self) -> int:
-        return self.keys.shape[2]
-
-    def detach(self) -> "FullPrecision":
-        """The same tensors without the right to append in place (the buffer may be shared)."""
-        return FullPrecision(self.keys, self.values)
-
-    @staticmethod
-    def spare_slots(n: int) -> int:
-        """Room added when a one-token append outgrows the buffer: amortised O(1) copies per token."""
-        return max(64, n // 16)
-
-    def append(self, keys: torch.Tensor, values: torch.Tensor) -> "FullPrecision":
-        """One-token appends write in place into spare room (grown by a 16th, at least 64 slots, when full), so
-        decoding does not copy the layer per token; multi-token appends allocate exactly."""
-        filled, need = self.num_slots, self.num_slots + keys.shape[2]
-        room = self.room
-        if room is not None and room[0].shape[2] >= need:
-            room[0][:, :, filled:need] = keys
-            room[1][:, :, filled:need] = values
-        else:
-            capacity = need + (self.spare_slots(need) if keys.shape[2] == 1 else 0)
-            room = tuple(_grown(old, new, capacity) for old, new in ((self.keys, keys), (self.values, values)))
-        return FullPrecision(room[0][:, :, :need], room[1][:, :, :need], room)
-
-    def reserve(self, n: int) -> "FullPrecision":
-        """Room for n more slots, in an owned buffer (grown once, exactly, if needed)."""
-        if self.room is not None and self.room[0].shape[2] >= self.num_slots + n:
-            return self
-        room = tuple(_grown(t, t[:, :, :0], self.num_slots + n) for t in (self.keys, self.values))
-        return FullPrecision(room[0][:, :, :self.num_slots], room[1][:, :, :self.num_slots], room)
-
-    def trim(self, spare: int) -> "FullPrecision":
-        """The same slots in an owned buffer with exactly `spare` slots of room (a copy, if the room differs)."""
-        if self.room is not None and self.room[0].shape[2] == self.num_slots + spare:
-            return self
-        return self.reserve(spare) if self.room is None else FullPrecision(self.keys, self.values).reserve(spare)
-
-    def truncate(self, n: int) -> "FullPrecision":
-        """The first n slots. In an owned buffer the view just shrinks (the rest becomes spare room); anything
-        else is cloned: a view would keep the whole old tensor alive and nbytes() would under-report it."""
-        if self.room is not None:
-            return FullPrecision(self.room[0][:, :, :n], self.room[1][:, :, :n], self.room)
-        return FullPrecision(self.keys[:, :, :n].clone(), self.values[:, :, :n].clone())
-
-    def gather(self, indices: torch.Tensor, real: torch.Tensor | None = None) -> "FullPrecision":
-        return FullPrecision(take_slots(self.keys, indices), take_slots(self.values, indices))
-
-    def cat(self, other: "FullPrecision") -> "FullPrecision":
-        return FullPrecision(torch.cat([self.keys, other.keys], 2), torch.cat([self.values, other.values], 2))
-
-    def map_rows(self, fn) -> "FullPrecision":
-        return FullPrecision(fn(self.keys), fn(self.values))
-
-    def flatten(self, ok: torch.Tensor) -> "FullPrecision":
-        """The slots where ok [b, h, t] as one flat store [1, 1, N, D], in (row, head, slot) order."""
-        return FullPrecision(self.keys[ok][None, None], self.values[ok][None, None])
-
-    def dequantize(self, start: int, end: int, precision: int | None = None):
-        return self.keys[:, :, start:end].float(), self.values[:, :, start:end].float()
-
-    def to(self, device) -> "FullPrecision":
-        return FullPrecision(self.keys.to(device), self.values.to(device))
-
-    def tensors(self) -> list[torch.Tensor]:
-        """The tensors as allocated: the buffers with their spare room, if any."""
-        return list(self.room) if self.room is not None else [self.keys, self.values]
-
-    def kv_nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors())
+# storage kinds: (low_bit, flat) -> the name a reader keys its kernel by
+DENSE, FLAT, CODES, FLAT_CODES = "dense", "flat", "codes", "flat codes"
+KINDS = {(False, False): DENSE, (False, True): FLAT, (True, False): CODES, (True, True): FLAT_CODES}
 
 
-def _grown(old: torch.Tensor, new: torch.Tensor, capacity: int) -> torch.Tensor:
-    batch, heads, filled, dim = old.shape
-    buffer = old.new_empty(batch, heads, capacity, dim)
-    buffer[:, :, :filled] = old
-    buffer[:, :, filled:filled + new.shape[2]] = new
-    return buffer
-
-
-# ---------------------------------------------------------------------------- the segment
 @dataclass
 class Segment:
-    data: FullPrecision | LowBitCodes  # per-slot tensors [b, h, t, ...]
+    data: Payload  # per-slot tensors [b, h, t, ...]
     positions: torch.Tensor | None = None  # int32 [b, h, t]; None: slot j holds position offset + j
     valid: torch.Tensor | None = None  # bool [b, h, t]; None: every slot is a real token (always None when flat)
     state: dict = field(default_factory=dict)  # name -> [b, h, t] per-slot policy state
@@ -135,7 +49,12 @@ class Segment:
 
     @property
     def low_bit(self) -> bool:
-        return isinstance(self.data, LowBitCodes)
+        return self.data.low_bit
+
+    @property
+    def kind(self) -> str:
+        """The storage kind, which picks a segment's kernel (read.py): DENSE, FLAT, CODES or FLAT_CODES."""
+        return KINDS[self.low_bit, self.flat]
 
     @property
     def num_slots(self) -> int:
@@ -208,15 +127,11 @@ class Segment:
             return self.lengths
         if self.valid is None:
             b, h = self.data_shape()
-            return torch.full((b, h), self.num_slots, dtype=torch.long, device=self._device())
+            return torch.full((b, h), self.num_slots, dtype=torch.long, device=self.data.device)
         return self.valid.sum(-1)
 
     def data_shape(self) -> tuple[int, int]:
-        t = self.data.keys if isinstance(self.data, FullPrecision) else self.data.k_codes
-        return t.shape[0], t.shape[1]
-
-    def _device(self):
-        return (self.data.keys if isinstance(self.data, FullPrecision) else self.data.k_codes).device
+        return self.data.batch_heads
 
     # -- changes (each returns a new segment)
     def keep(self, indices: torch.Tensor, ok: torch.Tensor | None, offset: int) -> "Segment":
@@ -241,7 +156,7 @@ class Segment:
         if self.flat:
             return self
         batch, heads = self.data_shape()
-        ok = self.view_valid(batch, heads, self._device())
+        ok = self.view_valid(batch, heads, self.data.device)
         positions = self.view_positions(offset, batch, heads, ok.device)
         return Segment(self.data.flatten(ok), positions[ok][None, None], None,
                        {n: s[ok][None, None] for n, s in self.state.items()}, ok.sum(-1))
@@ -259,7 +174,7 @@ class Segment:
         missing = [n for n in names if n not in self.state]
         if not missing:
             return self
-        zeros = torch.zeros(*self.data_shape(), self.num_slots, device=self._device())
+        zeros = torch.zeros(*self.data_shape(), self.num_slots, device=self.data.device)
         return dataclasses.replace(self, state={**self.state, **{n: zeros for n in missing}})
 
     def cat_runs(self, other: "Segment") -> "Segment":
@@ -267,8 +182,7 @@ class Segment:
         names = sorted(set(self.state) | set(other.state))
         self, other = self.with_states(names), other.with_states(names)
         n_self = self.num_slots
-        merged_data = self.data.cat(other.data) if isinstance(self.data, FullPrecision) else \
-            self.data.append(other.data)
+        merged_data = self.data.cat(other.data)
         order = _interleave(self.lengths, other.lengths, n_self)
         return Segment(merged_data.gather(order), torch.cat([self.positions, other.positions], -1).gather(-1, order),
                        state={n: torch.cat([self.state[n], other.state[n]], -1).gather(-1, order)
@@ -300,8 +214,7 @@ class Segment:
 
     def detach(self) -> "Segment":
         """A copy that may be shared: no in-place appends into the payload's buffer from either side."""
-        data = self.data.detach() if isinstance(self.data, FullPrecision) else self.data
-        return dataclasses.replace(self, data=data, state=dict(self.state))
+        return dataclasses.replace(self, data=self.data.detach(), state=dict(self.state))
 
     # -- bytes
     def tensors(self) -> list[torch.Tensor]:
@@ -309,7 +222,7 @@ class Segment:
         return [*self.data.tensors(), *extra, *self.state.values()]
 
     def kv_nbytes(self) -> int:
-        return self.data.kv_nbytes() if isinstance(self.data, FullPrecision) else self.data.nbytes()
+        return self.data.nbytes()
 
 
 def _interleave(a: torch.Tensor, b: torch.Tensor, n_a: int) -> torch.Tensor:
@@ -323,6 +236,16 @@ def _interleave(a: torch.Tensor, b: torch.Tensor, n_a: int) -> torch.Tensor:
     total = int(ends_a[-1] + ends_b[-1]) if la.numel() else 0
     order = torch.arange(total, device=a.device) + torch.repeat_interleave(shift, blocks, output_size=total)
     return order[None, None]
+
+
+def empty_tail(like: Segment, device) -> Segment:
+    """An empty rectangular tail for a layer whose tokens now live in the flat segment `like` (full precision)."""
+    batch, heads = like.lengths.shape
+    keys, values = like.data.keys, like.data.values
+    return Segment(FullPrecision(keys.new_empty(batch, heads, 0, keys.shape[-1]),
+                                 values.new_empty(batch, heads, 0, values.shape[-1])),
+                   torch.zeros(batch, heads, 0, dtype=torch.int32, device=device), None,
+                   {n: torch.zeros(batch, heads, 0, device=device) for n in like.state})
 
 
 def dense(keys: torch.Tensor, values: torch.Tensor) -> Segment:

@@ -21,7 +21,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..cache import KVPressCache, KVPressLayer
-from ..cache.layer import UNMASKED, Read
+from ..cache.read import UNMASKED, Read
 from ..kernels.online_softmax import Queries
 from ..kernels.sparse_attention import Selection
 from ..formats.calibration import model_identity

@@ -21,8 +21,9 @@ from pathlib import Path
 
 import torch
 
-from ..cache.codecs import LowBitCodes
+from ..formats.lowbit import LowBitCodes
 from .online_softmax import Queries, State, merge_states
+from .sparse_attention import run_grid
 
 SOURCE = Path(__file__).with_name("lowbit_cpu.c")
 MAX_HEAD_DIM = 1024  # the kernel unpacks one row into a stack buffer of this many floats
@@ -110,8 +111,6 @@ def flat_lowbit_attention_state_native(queries: Queries, codes: LowBitCodes, pos
     `lengths` [B, Hkv] slots in (row, head) order), computed by lowbit_cpu.c: each run is read in place by its
     own (row, head)'s queries; with `tail` (a full-precision rectangle, as in lowbit_attention_state_native),
     that too, in the same call."""
-    from .sparse_attention import run_grid
-
     batch, hkv = lengths.shape
     group = queries.values.shape[1] // hkv
     flat_lengths = lengths.flatten().long()

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from ..cache.codecs import LowBitCodes
+from ..formats.lowbit import LowBitCodes
+from . import lowbit_native
 from .online_softmax import Queries, State, block_update, dense_attention_state, empty_state, merge_states
 from .sparse_attention import Selection, sparse_attention_state_reference
 
@@ -184,7 +185,7 @@ def lowbit_attention_state(queries: Queries, codes: LowBitCodes, positions, vali
                            tail: tuple | None = None) -> State:
     """`tail`: (keys, values, positions, valid) of a full-precision rectangle read after the codes (the layer's
     newest tokens): the CPU kernel reads it in the same call, the other paths after the codes."""
-    from . import lowbit_native, triton_quant
+    from . import triton_quant  # imports triton where installed: only once a low-bit read may run on it
 
     native = use_triton is not True and precision in (None, codes.bits) and lowbit_native.supports(queries, codes)
     if native:
@@ -210,8 +211,6 @@ def flat_lowbit_attention_state(queries: Queries, codes: LowBitCodes, positions,
     (row, head) order; `tail`: (keys, values, positions, valid) of full-precision rectangular slots read with
     them. On CPU, lowbit_cpu.c reads each run in place (and the tail in the same call); elsewhere (and as its
     reference) blocks of the store are dequantized and each run's part gathered."""
-    from . import lowbit_native
-
     if precision in (None, codes.bits) and lowbit_native.supports(queries, codes):
         return lowbit_native.flat_lowbit_attention_state_native(queries, codes, positions, lengths, state, tail)
     state = flat_lowbit_attention_state_reference(queries, codes, positions, lengths, state, precision, block)

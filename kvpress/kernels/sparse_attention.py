@@ -47,7 +47,7 @@ def sparse_attention_state_reference(queries: Queries, keys, values, positions, 
 
 def sparse_attention_state(queries: Queries, keys, values, positions, selection: Selection,
                            state: State | None = None, use_triton: bool | None = None) -> State:
-    from . import triton_sparse
+    from . import triton_sparse  # imports triton where installed: only once a sparse read may run on it
 
     if use_triton is None:
         use_triton = queries.values.is_cuda and triton_sparse.available() and queries.softcap is None
@@ -76,7 +76,7 @@ def flat_attention_state(queries: Queries, keys, values, positions, starts: torc
     rectangular slots in one softmax; beyond, one small block update per run. A short store (a low-bit layer's
     full-precision window: at most GATHER_SLOTS padded slots) is gathered into its padded grid and read in one
     batched pass: a copy that small costs less than a loop over rows."""
-    from . import triton_sparse
+    from . import triton_sparse  # imports triton where installed: only once a sparse read may run on it
 
     if use_triton is None:
         use_triton = queries.values.is_cuda and triton_sparse.available() and queries.softcap is None

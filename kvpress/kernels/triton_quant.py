@@ -16,6 +16,8 @@ import os
 
 import torch
 
+from .online_softmax import by_row_blocks, merge_splits
+
 try:
     import triton
     import triton.language as tl
@@ -248,8 +250,6 @@ def partial_buffers(programs: int, splits: int, m_pad: int, dim: int, device):
 def lowbit_attention_state_triton(queries, codes, positions, valid=None, precision=None, block_t: int = 64,
                                   target_programs: int = 512):
     """Online-softmax state over rectangular low-bit codes [B, Hkv, T], as `lowbit_attention_state_reference`."""
-    from .online_softmax import by_row_blocks, merge_splits
-
     if queries.softcap is not None:
         raise ValueError("softcap is not supported by the Triton low-bit kernel; use the reference")
     if precision not in (None, codes.bits) and not (codes.bits == 8 and precision == 4):

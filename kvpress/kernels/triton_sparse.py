@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from .online_softmax import by_row_blocks, merge_splits
 from .triton_quant import available, partial_buffers, plan_splits, rows_per_call, triton
 
 if triton is not None:
@@ -58,8 +59,6 @@ def sparse_attention_state_triton(queries, keys, values, positions, selection, b
     """Online-softmax state over the selected slots, as `sparse_attention_state_reference`. keys/values are
     [B, Hkv, T, D], or one flat store [N, D] shared by every (row, head) with positions [N] (flat storage
     segments: indices are then absolute slot numbers into the store)."""
-    from .online_softmax import by_row_blocks, merge_splits
-
     if queries.softcap is not None:
         raise ValueError("softcap is not supported by the Triton sparse kernel; use the reference")
     assert available()
