@@ -29,10 +29,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from . import arguments
-
+from .cache import KVPressCache
 from .formats.calibration import FILE_NAME, Calibration, model_identity  # noqa: F401 (this module's public names)
+from .integrations import patch_model
+from .integrations.hf import with_cache
+from .needle import haystack_sentences
+from .policies.base import Context, ModelPass, Needs
+from .policies.kvzip import KVzip
 
 LOG_FLOOR = 1e-6  # KVzip scores are probabilities; log(score) is fitted, floored here
 
@@ -75,8 +81,6 @@ def _fact(rng: random.Random) -> str:
 def calibration_texts(tokenizer, n_texts: int, n_tokens: int, seed: int = 0) -> list[list[int]]:
     """`n_texts` prompts of about `n_tokens` tokens each (the model's chat template around a document when it has
     one): docstring paragraphs and haystack sentences in random order, a fact every few sentences."""
-    from .needle import haystack_sentences
-
     paragraphs = _docstrings()
     out = []
     for t in range(n_texts):
@@ -116,58 +120,47 @@ def _streaming_error(query, keys, values, key_pos, query_pos, valid, scaling, si
     return error.mean(dim=(2, 3))
 
 
-def _recorder_class():
-    from .policies.base import Context, ModelPass, Needs
-    from .policies.kvzip import KVzip
+@dataclass
+class KVzipRecorder(KVzip):
+    """KVzip that evicts nothing and hands its evidence to `sink` (calibration only; never registered)."""
 
-    @dataclass
-    class Recorder(KVzip):
-        """KVzip that evicts nothing and hands its evidence to `sink` (calibration only; never registered)."""
+    name = "kvzip"
+    sink: dict = field(default=None, repr=False, compare=False)
+    sample_rows: int = 64
+    head_sink: int = 4
+    head_window: int = 256
 
-        name = "kvzip"
-        sink: dict = field(default=None, repr=False, compare=False)
-        sample_rows: int = 64
-        head_sink: int = 4
-        head_window: int = 256
+    def needs(self) -> Needs:
+        return super().needs() | Needs(hidden_states=True)
 
-        def needs(self) -> Needs:
-            return super().needs() | Needs(hidden_states=True)
+    def observe(self, ctx: Context) -> None:
+        if ctx.phase == "prefill":
+            self.sink["hidden"][ctx.layer_idx] = ctx.hidden_states[0].to("cpu", torch.bfloat16)
 
-        def observe(self, ctx: Context) -> None:
-            if ctx.phase == "prefill":
-                self.sink["hidden"][ctx.layer_idx] = ctx.hidden_states[0].to("cpu", torch.bfloat16)
+    def _chunk_scores(self, ctx: Context, chunk, seen: int):
+        layer = ctx.layer
+        rows = ctx.q_len
+        pick = torch.linspace(0, rows - 1, min(rows, self.sample_rows), device=ctx.query.device).round().long()
+        query_pos = ctx.query_positions()[pick][None].expand(ctx.query.shape[0], -1)
+        error = _streaming_error(ctx.query[:, :, pick], layer.keys_view(), layer.values_view(),
+                                 layer.key_positions().long(), query_pos, layer.key_valid(), ctx.scaling,
+                                 self.head_sink, self.head_window)
+        self.sink["head_error"].setdefault(ctx.layer_idx, []).append(error[0].cpu())
+        return super()._chunk_scores(ctx, chunk, seen)
 
-        def _chunk_scores(self, ctx: Context, chunk, seen: int):
-            layer = ctx.layer
-            rows = ctx.q_len
-            pick = torch.linspace(0, rows - 1, min(rows, self.sample_rows), device=ctx.query.device).round().long()
-            query_pos = ctx.query_positions()[pick][None].expand(ctx.query.shape[0], -1)
-            error = _streaming_error(ctx.query[:, :, pick], layer.keys_view(), layer.values_view(),
-                                     layer.key_positions().long(), query_pos, layer.key_valid(), ctx.scaling,
-                                     self.head_sink, self.head_window)
-            self.sink["head_error"].setdefault(ctx.layer_idx, []).append(error[0].cpu())
-            return super()._chunk_scores(ctx, chunk, seen)
-
-        def evict(self, run: ModelPass, scores: dict) -> None:
-            self.sink["scores"] = {i: s[0].cpu() for i, s in scores.items()}
-
-    return Recorder
+    def evict(self, run: ModelPass, scores: dict) -> None:
+        self.sink["scores"] = {i: s[0].cpu() for i, s in scores.items()}
 
 
 def collect(model, tokenizer, texts: list, target: str = "kvzip", chunk_size: int = 2048, head_sink: int = 4,
             head_window: int = 256, log=print) -> list:
     """Per text: {'hidden': {layer: [T, H] bf16}, 'scores': {layer: [K, T] fp32 KVzip scores},
     'head_error': {layer: [K]}}. The model is patched for the duration only."""
-    from . import patch_model
-    from .integrations.hf import with_cache
-    from .cache import KVPressCache
-
-    recorder = _recorder_class()
     out = []
     for n, ids in enumerate(texts):
         sink = {"hidden": {}, "head_error": {}}
-        policy = recorder(compression_ratio=0.0, chunk_size=chunk_size, kvzip_plus=target == "kvzip_plus",
-                          tokenizer=tokenizer, sink=sink, head_sink=head_sink, head_window=head_window)
+        policy = KVzipRecorder(compression_ratio=0.0, chunk_size=chunk_size, kvzip_plus=target == "kvzip_plus",
+                               tokenizer=tokenizer, sink=sink, head_sink=head_sink, head_window=head_window)
         device = next(model.parameters()).device
         with torch.no_grad(), patch_model(model, policy):
             model(**with_cache(model, KVPressCache(model.config), input_ids=torch.tensor([ids], device=device),
@@ -321,8 +314,6 @@ def main(argv=None) -> None:
         out = arguments.writable_file("--out", Path(args.out) if args.out else source / FILE_NAME)
     except ValueError as e:
         parser.exit(2, f"kvpress calibrate: error: {e}\n")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     torch.set_grad_enabled(False)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, args.dtype)).eval()
     tokenizer = AutoTokenizer.from_pretrained(source)

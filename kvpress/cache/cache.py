@@ -8,6 +8,7 @@ import torch
 from transformers import PretrainedConfig
 from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 
+from .forward import ForwardState
 from .layer import KVPressLayer
 from .rollback import crop_refusal
 from .rows import stack_rows
@@ -58,23 +59,14 @@ class KVPressCache(Cache):
                 for kind in layer_types
             ]
             super().__init__(layers=layers)
-        self._token_mask: torch.Tensor | None = None
+        # what the patched model tells the cache about the forward running on it (set by kvpress/integrations/)
+        self.forward_state = ForwardState()
         # A read policy whose selection every kvpress layer reads instead of all its slots (the draft view
         # of self-speculative decoding); None: read everything.
         self.read_policy = None
-        # While a chunked prefill runs (set by the patch's chunk loop): (real tokens of the whole prompt per row
-        # [B], the prompt's padded length). Every chunk is then a prefill step and budgets follow the whole
-        # prompt; None otherwise.
-        self.chunked_prompt: tuple[torch.Tensor, int] | None = None
-        # While a model-level hook probes the cache (Patch.probe): called with each kvpress layer's Context after
-        # attention, instead of the policy's hooks; None otherwise.
-        self.probe = None
         # A question known while a long prompt is prefilled in chunks (token ids [B or 1, n]): each chunk is judged
-        # with it appended as observation queries, then they are forgotten (Patch._chunked_prefill)
+        # with it appended as observation queries, then they are forgotten (integrations/chunked.py)
         self.question_ids = question_ids
-        self.observers = 0  # the forward in flight ends with this many observation tokens (dropped after it)
-        self._recording: list = []  # stock sliding layers recording their past for those tokens
-        self.prefilling = False  # the forward in flight is a prompt forward (set by the patch's model hooks)
         self.prefill_nbytes: int | None = None  # bytes held right after the prompt (recorded by the patch)
         self.prefill_kv_nbytes: int | None = None
         self.patched_forwards = 0  # forwards of a kvpress-patched model running on this cache (set by the patch)
@@ -86,7 +78,7 @@ class KVPressCache(Cache):
         model pre-hook), so each layer learns which new tokens are padding."""
         if attention_mask is not None and attention_mask.dim() != 2:
             attention_mask = None  # a custom 4-D mask carries no per-token padding we can read
-        self._token_mask = attention_mask
+        self.forward_state.token_mask = attention_mask
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         # Stored without autograd history: a prompt run with gradients on (the compress-once recipe without
@@ -105,8 +97,9 @@ class KVPressCache(Cache):
                     f"kvpress.patch_model(...)")
             q_len = key_states.shape[-2]
             new_valid = None
-            if self._token_mask is not None and self._token_mask.shape[-1] >= q_len:
-                new_valid = self._token_mask[:, -q_len:]
+            token_mask = self.forward_state.token_mask
+            if token_mask is not None and token_mask.shape[-1] >= q_len:
+                new_valid = token_mask[:, -q_len:]
             return layer.update(key_states, value_states, new_valid=new_valid)
         return layer.update(key_states, value_states, *args, **kwargs)
 
@@ -122,8 +115,7 @@ class KVPressCache(Cache):
         else:
             self.layers = [KVPressLayer() if isinstance(layer, KVPressLayer) else _empty_like(layer)
                            for layer in self.layers]
-        self._token_mask = None
-        self.prefilling = False
+        self.forward_state = ForwardState()
         self.prefill_nbytes = self.prefill_kv_nbytes = None
         self.broken = None
 
@@ -141,25 +133,27 @@ class KVPressCache(Cache):
         """The next forward's last `n` tokens are observation queries: policies keep them through their eviction
         (chunk_share), and forget_observers() drops them after the forward. Stock sliding layers record their past
         meanwhile, so they can give those tokens back."""
-        self.observers = n
-        self._recording = [layer for layer in self.layers
+        state = self.forward_state
+        state.observers = n
+        state.recording = [layer for layer in self.layers
                            if isinstance(layer, DynamicSlidingWindowLayer) and not layer.record_past]
-        for layer in self._recording:
+        for layer in state.recording:
             layer.record_past = True
 
     def forget_observers(self) -> None:
         """Drop the observation tokens of the forward that just ran from every layer (seen steps back)."""
-        n, self.observers = self.observers, 0
+        state = self.forward_state
+        n, state.observers = state.observers, 0
         for layer in self.layers:
             if isinstance(layer, KVPressLayer):
                 layer.forget_newest(n)
             elif getattr(layer, "is_initialized", False):
                 layer.crop(-n)
-        for layer in self._recording:  # only the layers observe_next switched on (speculation may hold others)
+        for layer in state.recording:  # only the layers observe_next switched on (speculation may hold others)
             layer.record_past = False
-        self._recording = []
-        if self._token_mask is not None:
-            self._token_mask = self._token_mask[:, :-n]
+        state.recording = []
+        if state.token_mask is not None:
+            state.token_mask = state.token_mask[:, :-n]
 
     # ------------------------------------------------------------------ copies and rows
     def fork(self) -> "KVPressCache":
@@ -167,16 +161,13 @@ class KVPressCache(Cache):
         other. Compress a context once, then answer several questions on forks of it."""
         out = copy.copy(self)
         out.layers = [layer.fork() if isinstance(layer, KVPressLayer) else copy.copy(layer) for layer in self.layers]
-        out._token_mask = None
+        out.forward_state = ForwardState()  # no forward runs on the copy yet
         out.read_policy = None
-        out.chunked_prompt = None
-        out.probe = None
-        out.prefilling = False
-        out.patched_forwards = 0  # no forward runs on the copy yet
+        out.patched_forwards = 0
         return out
 
-    def _checkpoint(self, room: int = 0) -> list:
-        """Every layer's state, to put back with _restore (in place: the layer objects stay the same), after
+    def checkpoint(self, room: int = 0) -> list:
+        """Every layer's state, to put back with restore (in place: the layer objects stay the same), after
         reserving `room` slots in kvpress layers so that many appended tokens are written in place (no copy of
         the cache). Tensors are shared, not copied: stock layers replace theirs on update."""
         out = []
@@ -188,7 +179,8 @@ class KVPressCache(Cache):
                 out.append(dict(layer.__dict__))
         return out
 
-    def _restore(self, checkpoint: list) -> None:
+    def restore(self, checkpoint: list) -> None:
+        """Put every layer back as `checkpoint` (from checkpoint()) holds it, in place."""
         for layer, state in zip(self.layers, checkpoint):
             if isinstance(layer, KVPressLayer):
                 layer.restore(state)

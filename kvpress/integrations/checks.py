@@ -6,13 +6,14 @@ call leaves its cache exactly as it was."""
 from __future__ import annotations
 
 from ..cache import KVPressCache
-from .hf import _PATCHES, given_cache
+from .hf import given_cache
+from .registry import patch_of
 
 
 def check_forward(patch, decoder, args, kwargs) -> None:
     """Raise (ValueError for the caller's input, RuntimeError for a patch changed under the call) unless `patch` can
     serve this forward of `decoder` as asked."""
-    if _PATCHES.get(patch.model) is not patch:  # unpatch() ran on another thread just as this forward started
+    if patch_of(patch.model) is not patch:  # unpatch() ran on another thread just as this forward started
         raise RuntimeError("kvpress: this model was unpatched (by another thread) as this forward started; "
                            "run the call again")
     if decoder.config._attn_implementation != patch.attn_implementation:
@@ -40,7 +41,7 @@ def check_forward(patch, decoder, args, kwargs) -> None:
         (kinds, window), (own, own_window) = cache.layer_kinds, patch.layer_kinds
         raise ValueError(f"cache: a KVPressCache built for another model's layers ({_describe(kinds, window)}); "
                          f"this model has {_describe(own, own_window)}; allowed values: KVPressCache(model.config)")
-    prompt = cache.probe is None and cache.get_seq_length() == 0
+    prompt = cache.forward_state.probe is None and cache.get_seq_length() == 0
     if prompt and patch.needs.prompt_ids and kwargs.get("input_ids") is None and not args:
         raise ValueError(f"inputs_embeds: {patch.policy.describe()} reads the prompt's token ids after the prompt "
                          f"(KVzip replays them), which embeddings do not give back; allowed: input_ids")

@@ -30,7 +30,7 @@ def wrap_forward(forward, chunk: int, question_tokens: int | None, output: str, 
         tokens = kwargs.get("inputs_embeds") if tokens is None else tokens
         mask = kwargs.get("attention_mask")
         keep = kwargs.get("logits_to_keep", 0) if keeps_logits else 0
-        if (args or not isinstance(cache, KVPressCache) or cache.chunked_prompt is not None  # already a chunk
+        if (args or not isinstance(cache, KVPressCache) or cache.forward_state.chunked_prompt is not None  # a chunk
                 or cache.get_seq_length() != 0 or tokens is None
                 or (tokens.shape[1] <= chunk and cache.question_ids is None)  # one chunk, no question to add
                 or (mask is not None and mask.dim() != 2)
@@ -71,8 +71,9 @@ def chunked_prefill(forward, cache: KVPressCache, chunk: int, question_tokens: i
         last = prompt_positions[..., -1:]
         question_positions = prompt_positions[..., length - n:] if question_from <= length else \
             last + torch.arange(1, n + 1, device=device)
-    cache.chunked_prompt = (real.to(device), length)
-    cache.prefilling = False  # this loop runs the after-prompt step, after each chunk
+    state = cache.forward_state
+    state.chunked_prompt = (real.to(device), length)
+    state.prefilling = False  # this loop runs the after-prompt step, after each chunk
     pieces = []
     try:
         # Chunks end at the prompt's end (the remainder goes first): every row of a left-padded batch ends
@@ -107,8 +108,8 @@ def chunked_prefill(forward, cache: KVPressCache, chunk: int, question_tokens: i
             if wanted > 0:
                 pieces.append(out[output])
     finally:
-        cache.chunked_prompt = None
-        cache.observers = 0
+        cache.forward_state.chunked_prompt = None
+        cache.forward_state.observers = 0
     out[output] = torch.cat(pieces, 1) if len(pieces) > 1 else pieces[0]
     return out
 

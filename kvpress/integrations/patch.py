@@ -1,48 +1,40 @@
 """Patch: what patch_model installs on one model (attention implementation, hooks, instance-level wrappers), and
-unpatch(), which takes it all off again exactly."""
+unpatch(), which takes it all off again exactly. What the installed pieces do is elsewhere: attention.py (the
+attention function), forwards.py (the model-level hooks), generate.py (generate), chunked.py (chunked prefill)."""
 
 from __future__ import annotations
 
 import contextlib
 import copy
-import functools
 import threading
 import weakref
-from dataclasses import dataclass
 
-import torch
 from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..cache import KVPressCache
 from ..cache.cache import layout
-from ..heads import SINGLE, HeadShards
 from ..policies import Policy
-from ..policies.base import ModelInfo, ModelPass
-from .checks import check_forward, check_generate
+from ..policies.base import ModelInfo
+from .attention import BaseAttention, kvpress_attention
 from .chunked import wrap_forward
-from .hf import (_BINDINGS, _LAST_STATS, _PATCHES, _PREFIX, _Binding, _InFlight, _config_heads, _eager_function,
-                 _sdpa_backends, attention_modules_of, cache_argument, cache_summary, decoder_of, given_cache,
-                 kvpress_attention, model_info, with_cache)
+from .forwards import ForwardHooks
+from .generate import wrap_generate
+from .hf import ATTENTION_PREFIX, attention_modules_of, decoder_of, given_cache, model_info
+from .registry import PATCHING, Binding, bind, patch_of, register, unbind, unregister
 
 _ABSENT = object()
-# patch_model and unpatch take this while they check and change which models are patched: two threads patching one
-# model at once would both pass the "already patched" check and both install (every later forward then failed)
-PATCHING = threading.RLock()
 
 
-@dataclass
-class _Forward:
-    """A patched forward in flight on this thread: its cache, and how far it got (what a failure leaves behind)."""
+class InFlight(threading.local):
+    """Per thread: attention module -> (cache, input hidden states) of the forward it is running, and the patched
+    generate / forward calls this thread has entered (innermost last: the cache a forward was given, None for a
+    generate call)."""
 
-    cache: object
-    module: object  # the model or its decoder: whichever was called (the outermost serves the call)
-    checked: bool = False  # its inputs passed every check: from here on it may change the cache
-    done: bool = False  # it returned, the model-level hook included
-    was_empty: bool = False  # it was a prompt's forward (the cache was empty)
-    marks: tuple = ()  # the cache's append counters when it started
+    def __init__(self):
+        self.calls = {}
+        self.entered = []
+        self.forwards = []  # decoder forwards in flight (forwards.ForwardInFlight), innermost last
 
 
 class Patch:
@@ -65,7 +57,7 @@ class Patch:
         self._model = weakref.ref(model)
         decoder = decoder_of(model)
         self._decoder = weakref.ref(decoder)
-        self.live = _InFlight()
+        self.live = InFlight()
         self.policy = policy
         self.base = base
         self.head_dim = info.head_dim
@@ -83,8 +75,9 @@ class Patch:
         # never runs half patched (its cache compressed by some steps and read as a stock cache by the next)
         self._running = 0
         self._running_changed = threading.Condition()
-        self._base_fn = _eager_function(attention_modules[0]) if base == "eager" else ALL_ATTENTION_FUNCTIONS[base]
-        self.attn_implementation = _PREFIX + base
+        self.attention = BaseAttention(base, attention_modules[0])
+        self.attn_implementation = ATTENTION_PREFIX + base
+        self.hooks = ForwardHooks(self)
         # what _install changed, for _restore to undo exactly
         self._handles = []
         self._bound = []  # attention modules bound to this patch
@@ -96,7 +89,7 @@ class Patch:
             self._restore()
             raise
         policy.claim(+1)
-        _PATCHES[model] = self
+        register(model, self)
 
     def _install(self, model, decoder, attention_modules, rotaries, budget_layers) -> None:
         name = self.attn_implementation
@@ -108,17 +101,14 @@ class Patch:
             raise ValueError(f"{type(model).__name__} refused attn_implementation={name!r}; it cannot be patched")
         for module, rotary in zip(attention_modules, rotaries):
             rank = budget_layers.index(module.layer_idx) if module.layer_idx in budget_layers else None
-            _BINDINGS[module] = _Binding(self, rotary, None if rank is None else (rank, len(budget_layers)))
+            bind(module, Binding(self, rotary, None if rank is None else (rank, len(budget_layers))))
             self._bound.append(weakref.ref(module))
-            self._handles.append(module.register_forward_pre_hook(self._bind, with_kwargs=True))
-            self._handles.append(module.register_forward_hook(self._unbind, always_call=True))
+            self._handles.append(module.register_forward_pre_hook(self._record_call, with_kwargs=True))
+            self._handles.append(module.register_forward_hook(self._drop_call, always_call=True))
         for module in dict.fromkeys([model, decoder]):  # the model, and its decoder when that is another module
-            self._handles.append(module.register_forward_pre_hook(self._enter_forward, with_kwargs=True, prepend=True))
-            self._handles.append(module.register_forward_pre_hook(self._before_forward, with_kwargs=True))
-            self._handles.append(module.register_forward_hook(self._after_forward, with_kwargs=True))
-            self._handles.append(module.register_forward_hook(self._exit_forward, with_kwargs=True, always_call=True))
+            self._handles.extend(self.hooks.install(module))
         if callable(getattr(model, "generate", None)):  # a base model (e.g. LlamaModel) has no generate
-            self._set(model, "generate", self._wrap_generate(model.generate))
+            self._set(model, "generate", wrap_generate(self, model.generate))
         if self.prefill_chunk_size is not None:
             # the model's own forward is split where logits are kept (only the last ones a caller asks for); the
             # decoder's where it is called directly (its hidden states): either way each chunk is one decoder forward
@@ -126,7 +116,7 @@ class Patch:
                 if module is decoder and output == "logits":
                     continue  # a base model: the decoder alone
                 self._set(module, "forward", wrap_forward(module.forward, self.prefill_chunk_size,
-                                                          self.question_tokens, output, self._after_prompt,
+                                                          self.question_tokens, output, self.hooks.after_prompt,
                                                           self.running))
         self._set(model, "__deepcopy__", self._copy_model)
 
@@ -144,22 +134,24 @@ class Patch:
         return self._decoder()
 
     # -- hooks: what each forward hands kvpress (per thread, dropped when the module's forward ends)
-    def _bind(self, module, args, kwargs):
+    def _record_call(self, module, args, kwargs):
         hidden = (args[0] if args else kwargs.get("hidden_states")) if self.needs.hidden_states else None
         self.live.calls[module] = (given_cache(kwargs), hidden)
 
-    def _unbind(self, module, args, output):
+    def _drop_call(self, module, args, output):
         self.live.calls.pop(module, None)
 
     # -- calls in flight (what unpatch waits for)
-    def _enter(self, cache) -> None:
+    def enter_call(self, cache) -> None:
+        """A patched call (given `cache`, None for generate) starts running on this thread."""
         with self._running_changed:
             self._running += 1
         self.live.entered.append(cache)
         if isinstance(cache, KVPressCache):
             cache.patched_forwards += 1
 
-    def _exit(self) -> None:
+    def exit_call(self) -> None:
+        """The innermost patched call running on this thread returns (or raises)."""
         cache = self.live.entered.pop()
         if isinstance(cache, KVPressCache):
             cache.patched_forwards -= 1
@@ -170,165 +162,17 @@ class Patch:
     @contextlib.contextmanager
     def running(self, cache):
         """A patched call (given `cache`) running on this thread, for as long as the block runs."""
-        self._enter(cache)
+        self.enter_call(cache)
         try:
             yield
         finally:
-            self._exit()
-
-    # -- the model-level hooks, on the model and on its decoder: every forward, whoever calls it, is checked here
-    # before it changes anything. The outermost patched forward serves the call: the decoder's forward inside the
-    # model's does nothing more (and under torch.compile of the model its hooks, traced, are no-ops: the model's
-    # own hooks run outside the graph).
-    def _inner(self, module) -> bool:
-        if module is self.model:
-            return False
-        return torch.compiler.is_compiling() or bool(self.live.forwards) and self.live.forwards[-1].module is self.model
-
-    def _enter_forward(self, module, args, kwargs):
-        if self._inner(module):
-            return
-        cache = given_cache(kwargs)
-        self._enter(cache)
-        self.live.forwards.append(_Forward(cache, module))
-
-    def _before_forward(self, module, args, kwargs):
-        if self._inner(module):
-            return
-        check_forward(self, module, args, kwargs)
-        forward = self.live.forwards[-1]
-        cache = forward.cache
-        if isinstance(cache, KVPressCache):
-            cache.set_attention_mask(kwargs.get("attention_mask"))
-            # a prompt's forward; a chunk of a chunked prefill is not (the chunk loop runs the after-prompt step)
-            cache.prefilling = cache.probe is None and cache.chunked_prompt is None and cache.get_seq_length() == 0
-            forward.was_empty, forward.marks = cache.get_seq_length() == 0, cache.append_marks()
-        forward.checked = True
-
-    def _after_forward(self, module, args, kwargs, output):
-        if self._inner(module):
-            return
-        cache = given_cache(kwargs)
-        if isinstance(cache, KVPressCache) and cache.prefilling:
-            self._after_prompt(cache, kwargs, args)
-        self.live.forwards[-1].done = True
-
-    def _exit_forward(self, module, args, kwargs, output):
-        # runs even when the forward raised (always_call); a forward that began before this patch existed (on
-        # another thread) entered nothing and leaves nothing
-        if not self.live.forwards or self.live.forwards[-1].module is not module or (
-                module is not self.model and torch.compiler.is_compiling()):
-            return
-        forward = self.live.forwards.pop()
-        try:
-            if forward.checked and not forward.done:
-                self._after_failure(forward)
-        finally:
-            self._exit()
-
-    @staticmethod
-    def _after_failure(forward: _Forward) -> None:
-        """A forward that raised once it could change its cache: a prompt's leaves the cache empty again (a retry is
-        a prompt again, never a continuation of half a prompt); any other that appended to some layer leaves the
-        cache refused from then on. A probe puts the cache back itself."""
-        cache = forward.cache
-        if not isinstance(cache, KVPressCache) or cache.probe is not None or cache.append_marks() == forward.marks:
-            return
-        if forward.was_empty:
-            cache.clear()
-        else:
-            cache.broken = ("a forward on this cache raised after some of its layers had appended that forward's "
-                            "tokens, so its layers no longer agree")
-
-    def _after_prompt(self, cache: KVPressCache, kwargs, args=()) -> None:
-        """After a prompt forward (or one chunk of a chunked prefill): the model-level hook, then the bytes held."""
-        cache.prefilling = False
-        if self.needs.model_pass:
-            with torch.no_grad():  # what the hook keeps must hold no autograd history
-                self.policy.after_prefill(self.model_pass(cache, kwargs, args))
-        cache.prefill_nbytes = cache.nbytes()
-        cache.prefill_kv_nbytes = sum(row["kv_bytes"] for row in cache.stats())
-
-    # -- the model-level hook
-    def model_pass(self, cache: KVPressCache, kwargs, args=()) -> ModelPass:
-        """What after_prefill sees after a prompt forward with these arguments."""
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        mask = kwargs.get("attention_mask")
-        mask = mask if mask is not None and mask.dim() == 2 else None
-        positions = kwargs.get("position_ids")
-        seen = cache.get_seq_length()
-        tokens = ids if ids is not None else kwargs["inputs_embeds"]
-        batch, device = tokens.shape[0], tokens.device
-        if positions is not None:
-            next_positions = positions[..., -1].reshape(-1).expand(batch).long() + 1
-        else:  # transformers' default: the forward's tokens sit at seen - n .. seen - 1
-            next_positions = torch.full((batch,), seen, dtype=torch.long, device=device)
-        prompt_tokens, prompt_length = cache.chunked_prompt or (None, None)
-        shards, layers = SINGLE, cache.kvpress_layers() if self.needs.all_heads else []
-        if layers:
-            shards = HeadShards.of(layers[0][1].num_kv_heads,
-                                   _config_heads(self.model.config.get_text_config(decoder=True))[1])
-        return ModelPass(self.model, cache, ids, mask, next_positions, prompt_tokens, prompt_length,
-                         functools.partial(self.probe, cache), shards=shards)
-
-    def probe(self, cache: KVPressCache, input_ids, attention_mask, position_ids, on_layer) -> None:
-        """Run `input_ids` [B, n] over the cache (attending to everything it holds), calling `on_layer(ctx)` in every
-        kvpress layer after attention; then put every layer back exactly as it was (nothing the probe appended
-        stays; seen and positions are untouched)."""
-        saved = cache._checkpoint(room=input_ids.shape[1])
-        mask = cache._token_mask
-        cache.probe = on_layer
-        try:
-            with torch.no_grad():  # one logit row at most: a probe needs what attention sees, not logits
-                logits = {} if self.model is self.decoder else dict(logits_to_keep=1)
-                self.model(**with_cache(self.model, cache, input_ids=input_ids, attention_mask=attention_mask,
-                                        position_ids=position_ids, use_cache=True, **logits))
-        finally:
-            cache.probe = None
-            cache._restore(saved)
-            cache._token_mask = mask
-
-    # -- attention helpers
-    def base_attention(self, module, query, key, value, attention_mask, **kwargs):
-        with _sdpa_backends(query):
-            return self._base_fn(module, query, key, value, attention_mask, **kwargs)
-
-    def masked_attention(self, module, query, key, value, allowed, **kwargs):
-        """Base attention with kvpress's own boolean mask [B, Hq, q, T] (a compacted layer), or none (None: every
-        query reads every slot)."""
-        if self.base == "eager":
-            mask = None
-            if allowed is not None:
-                mask = torch.zeros(allowed.shape, dtype=query.dtype, device=query.device)
-                mask = mask.masked_fill(~allowed, torch.finfo(query.dtype).min)
-            return self._base_fn(module, query, key, value, mask, **kwargs)
-        # sdpa takes the boolean mask as is; flash kernels cannot take an arbitrary mask, so sdpa serves them.
-        with _sdpa_backends(query):
-            return sdpa_attention_forward(module, query, key, value, allowed, **kwargs)
-
-    # -- generate
-    def _wrap_generate(self, generate):
-        model = self.model
-
-        @functools.wraps(generate)
-        def kvpress_generate(*args, **kwargs):
-            check_generate(self, model, kwargs)
-            if given_cache(kwargs) is None and kwargs.get("use_cache", True):
-                kwargs[cache_argument(model)] = KVPressCache(model.config)
-            with self.running(None):
-                out = generate(*args, **kwargs)
-            cache = given_cache(kwargs) if kwargs.get("use_cache", True) else None
-            if isinstance(cache, KVPressCache):
-                _LAST_STATS[model] = cache_summary(cache, self.policy)
-            return out
-
-        return kvpress_generate
+            self.exit_call()
 
     # -- undo
     def unpatch(self) -> None:
         """Restore the model exactly as it was before patch_model, once no generate or forward call is running on
         it (calls that other threads start meanwhile are waited for too)."""
-        if self.model is None or _PATCHES.get(self.model) is not self:
+        if self.model is None or patch_of(self.model) is not self:
             return
         if self.live.entered:
             raise RuntimeError("unpatch() was called inside a generate or forward call of the model it unpatches; "
@@ -336,7 +180,7 @@ class Patch:
         with self._running_changed:
             self._running_changed.wait_for(lambda: self._running == 0)
             with PATCHING:
-                if _PATCHES.get(self.model) is self:
+                if patch_of(self.model) is self:
                     self._restore()
                     self.policy.claim(-1)
 
@@ -347,8 +191,8 @@ class Patch:
         self._handles = []
         for ref in self._bound:
             module = ref()
-            if module is not None and _BINDINGS.get(module) is not None and _BINDINGS[module].patch is self:
-                del _BINDINGS[module]
+            if module is not None:
+                unbind(module, self)
         self._bound = []
         for ref, name, previous in reversed(self._attributes):
             module = ref()
@@ -363,8 +207,8 @@ class Patch:
         if self._switched and model is not None:
             model.set_attn_implementation(self.base)
             self._switched = False
-        if model is not None and _PATCHES.get(model) is self:
-            del _PATCHES[model]
+        if model is not None:
+            unregister(model, self)
 
     # -- copy
     def _copy_model(self, memo: dict):

@@ -6,8 +6,9 @@ import numbers
 
 from ..policies import Policy, resolve_policy
 from ..policies.base import ModelInfo
-from .hf import _BINDINGS, _PATCHES, _PREFIX, SUPPORTED_BASES, attention_modules_of, model_info
-from .patch import PATCHING, Patch
+from .hf import ATTENTION_PREFIX, SUPPORTED_BASES, attention_modules_of, model_info
+from .patch import Patch
+from .registry import PATCHING, is_patched, patch_of
 
 
 def patch_model(model, policy: str | Policy | None = "none", prefill_chunk_size: int | None = None,
@@ -40,7 +41,7 @@ def patch_model(model, policy: str | Policy | None = "none", prefill_chunk_size:
 def _check_model(model) -> tuple[ModelInfo, str]:
     """(what policies see of `model`, its attention implementation), or ValueError when kvpress cannot patch it."""
     modules = attention_modules_of(model)
-    if model in _PATCHES or any(m in _BINDINGS for m in modules):
+    if is_patched(model, modules):
         raise ValueError("model is already patched by kvpress (itself, the model it belongs to, or its decoder); "
                          "call .unpatch() on the existing patch first")
     backend_ok = getattr(type(model), "is_backend_compatible", lambda: False)()
@@ -56,7 +57,7 @@ def _check_model(model) -> tuple[ModelInfo, str]:
                          f"cross-attention): a KV cache serves decoders; allowed: causal decoder models, e.g. Llama, "
                          f"Mistral, Qwen2, Qwen3, Gemma3, Phi3, GPT-2, GPT-NeoX, OPT")
     base = model.config._attn_implementation
-    if base is not None and base.startswith(_PREFIX):
+    if base is not None and base.startswith(ATTENTION_PREFIX):
         raise ValueError("model is already patched by kvpress; call .unpatch() on the existing patch first")
     if base not in SUPPORTED_BASES:
         raise ValueError(f"attn_implementation={base!r} cannot be wrapped; allowed values: {list(SUPPORTED_BASES)}")
@@ -74,6 +75,6 @@ def _check_chunk_size(chunk, policy: Policy) -> None:
 
 
 def unpatch(model) -> None:
-    patch = _PATCHES.get(model)
+    patch = patch_of(model)
     if patch is not None:
         patch.unpatch()

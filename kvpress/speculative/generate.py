@@ -21,8 +21,9 @@ from dataclasses import dataclass, field
 import torch
 
 from ..cache import KVPressCache
-from ..integrations.hf import _PATCHES, with_cache
+from ..integrations.hf import with_cache
 from ..integrations.patching import patch_model
+from ..integrations.registry import patch_of
 from ..policies import KIVI, Quant4View, Quest, ReadPolicy, Retrieval, SinkWindow, TopK
 from ..policies.registry import check_params, resolve_policy
 
@@ -173,7 +174,7 @@ def speculative_generate(model, input_ids, attention_mask=None, *, draft="sink_w
     context = int(mask.sum(-1).min())
     with _SHARED_LOCK:
         shared = _SHARED.get(model)
-        existing = _PATCHES.get(model)
+        existing = patch_of(model)
         joining = shared is not None and existing is shared[0]  # another thread's call patched the model for itself
         view, target_policy = _draft_and_target(draft, draft_params, draft_budget, gamma,
                                                 None if joining else existing, context)
@@ -188,7 +189,7 @@ def speculative_generate(model, input_ids, attention_mask=None, *, draft="sink_w
         else:
             shared = None  # the caller's own patch
     try:
-        return _loop(model, _PATCHES[model].policy, input_ids, mask, view, gamma, max_new_tokens, do_sample,
+        return _loop(model, patch_of(model).policy, input_ids, mask, view, gamma, max_new_tokens, do_sample,
                      temperature, top_p, eos_token_id, pad_token_id, generator, return_stats)
     finally:
         if shared is not None:
