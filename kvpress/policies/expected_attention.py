@@ -22,7 +22,10 @@ from dataclasses import dataclass
 import torch
 
 from ..positions import apply_rotary, rotate_half
-from .base import Context, Needs, ScorerPolicy, first_slots
+from .context import Context
+from .protocol import Needs
+from .scorer import ScorerPolicy
+from .selection import first_slots
 from .registry import register
 
 _COUNT, _REAL, _SUM, _OUTER = "ea_count", "ea_real_seen", "ea_query_sum", "ea_query_outer"

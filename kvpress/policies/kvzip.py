@@ -30,7 +30,10 @@ from typing import ClassVar
 
 import torch
 
-from .base import Context, ModelPass, Needs, ScorerPolicy, evict_after_prompt, first_slots
+from .budget import AllocatedBudgetPolicy
+from .context import Context
+from .protocol import ModelPass, Needs
+from .selection import evict_after_prompt, first_slots
 from .registry import register
 
 _ROW_BLOCK_ELEMENTS = 1 << 22  # fp32 logits per block of replay rows (16 MB)
@@ -66,7 +69,7 @@ class ReplayPrompt:
 
 @register
 @dataclass
-class KVzip(ScorerPolicy):
+class KVzip(AllocatedBudgetPolicy):
     name = "kvzip"
     budget_allocation: str = "global"
     chunk_size: int = 2048
@@ -114,9 +117,6 @@ class KVzip(ScorerPolicy):
     # -- per layer: the budget is fixed at prefill; nothing is evicted before the replay
     def on_prefill(self, ctx: Context) -> None:
         self.start_budget(ctx)
-
-    def score(self, ctx: Context) -> torch.Tensor:
-        raise NotImplementedError("kvzip scores by replaying the prompt after prefill (after_prefill), not per layer")
 
     # -- the model-level hook
     def after_prefill(self, run: ModelPass) -> None:

@@ -3,7 +3,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .base import Context, ScorerPolicy, last_slots
+from .context import Context
+from .scorer import ScorerPolicy
+from .selection import last_slots
 from .registry import register
 
 

@@ -14,7 +14,9 @@ from typing import ClassVar
 
 import torch
 
-from .base import Context, Policy
+from .context import Context
+from .protocol import Policy
+from .roles import ReadView
 from .registry import register
 
 
@@ -106,16 +108,14 @@ def _query_rows(ctx: Context) -> torch.Tensor:
 
 
 @dataclass
-class ReadPolicy(Policy):
+class ReadPolicy(ReadView):
+    """A read view that reads at most about `budget` slots per KV head at each decode step."""
+
     budget: int = 512
-    selects: ClassVar[bool] = True
 
     def validate(self) -> None:
-        if not isinstance(self.budget, int) or self.budget < 1:
+        if self.budget < 1:  # its kind (an int) is checked from the annotation
             raise ValueError(f"{self.name}: budget={self.budget!r}; allowed values: an int >= 1")
-
-    def select(self, ctx: Context):
-        raise NotImplementedError
 
 
 @register

@@ -1,16 +1,19 @@
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 
 from ..positions import rotate_keys
-from .base import Context, Needs, ScorerPolicy, first_slots, position_rank
+from .context import Context
+from .protocol import Needs
+from .roles import DecodeEviction
+from .scorer import ScorerPolicy
+from .selection import first_slots, position_rank
 from .registry import register
 
 
 @register
 @dataclass
-class StreamingLLM(ScorerPolicy):
+class StreamingLLM(ScorerPolicy, DecodeEviction):
     """StreamingLLM (Xiao et al. 2024): `n_sink` attention sinks (the first real tokens of each row) plus a window
     of the newest tokens, trimmed at prefill and at every decode step. Capacity: n_sink + window (window given),
     or a budget / compression_ratio (window=None), never both.
@@ -23,7 +26,6 @@ class StreamingLLM(ScorerPolicy):
     n_sink: int = 4
     window: int | None = None
     cache_local_positions: bool = False
-    evicts_during_decode: ClassVar[bool] = True
 
     def check_budget(self) -> None:
         """The capacity is given once: as n_sink + window, or as a budget / compression_ratio (then the window is
