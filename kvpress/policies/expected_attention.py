@@ -45,12 +45,9 @@ class ExpectedAttention(ScorerPolicy):
         super().validate()
         for field, low in (("n_future_positions", 1), ("n_sink", 0)):
             value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            if value < low:
                 raise ValueError(f"expected_attention: {field}={value!r}; allowed values: an int >= {low}")
-        for field in ("use_covariance", "use_vnorm"):
-            if not isinstance(getattr(self, field), bool):
-                raise ValueError(f"expected_attention: {field}={getattr(self, field)!r}; allowed values: True, False")
-        if not isinstance(self.epsilon, (int, float)) or self.epsilon < 0:
+        if self.epsilon < 0:
             raise ValueError(f"expected_attention: epsilon={self.epsilon!r}; allowed values: a number >= 0")
 
     def query_rows(self) -> int:

@@ -25,7 +25,7 @@ class H2O(ScorerPolicy, DecodeEviction):
 
     def validate(self) -> None:
         super().validate()
-        if self.recent is not None and (not isinstance(self.recent, int) or self.recent < 0):
+        if self.recent is not None and self.recent < 0:
             raise ValueError(f"h2o: recent={self.recent!r}; allowed values: an int >= 0")
         if self.budget is not None and self.recent is not None and self.budget < self.recent:
             raise ValueError(

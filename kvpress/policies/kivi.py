@@ -28,9 +28,9 @@ class KIVI(Codec):
     def validate(self) -> None:
         if self.bits not in self.allowed_bits:
             raise ValueError(f"{self.name}: bits={self.bits!r}; allowed values: {list(self.allowed_bits)}")
-        if not isinstance(self.group_size, int) or self.group_size < 1:
+        if self.group_size < 1:
             raise ValueError(f"{self.name}: group_size={self.group_size!r}; allowed values: an int >= 1")
-        if not isinstance(self.residual_length, int) or self.residual_length < 0:
+        if self.residual_length < 0:
             raise ValueError(f"{self.name}: residual_length={self.residual_length!r}; allowed values: an int >= 0")
 
     def for_model(self, model):

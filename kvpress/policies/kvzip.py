@@ -83,12 +83,10 @@ class KVzip(AllocatedBudgetPolicy):
 
     def validate(self) -> None:
         super().validate()
-        if isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int) or self.chunk_size < 1:
+        if self.chunk_size < 1:
             raise ValueError(f"kvzip: chunk_size={self.chunk_size!r}; allowed values: an int >= 1")
-        if isinstance(self.n_sink, bool) or not isinstance(self.n_sink, int) or self.n_sink < 0:
+        if self.n_sink < 0:
             raise ValueError(f"kvzip: n_sink={self.n_sink!r}; allowed values: an int >= 0")
-        if not isinstance(self.kvzip_plus, bool):
-            raise ValueError(f"kvzip: kvzip_plus={self.kvzip_plus!r}; allowed values: True, False")
         if self.decode_budget is not None:
             raise ValueError(f"kvzip: decode_budget={self.decode_budget!r}: generated tokens get no replay score; "
                              f"allowed values: None")

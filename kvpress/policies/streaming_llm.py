@@ -36,7 +36,7 @@ class StreamingLLM(ScorerPolicy, DecodeEviction):
                 raise ValueError(f"streaming_llm: budget={self.budget} is smaller than n_sink + window = "
                                  f"{self.n_sink} + 1; allowed values: budget >= n_sink + window with window >= 1")
             return
-        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
+        if self.window < 1:
             raise ValueError(f"streaming_llm: window={self.window!r}; allowed values: None or an int >= 1")
         given = "budget" if self.budget is not None else "compression_ratio" if self.compression_ratio is not None \
             else None
@@ -49,7 +49,7 @@ class StreamingLLM(ScorerPolicy, DecodeEviction):
                 f"window), or budget / compression_ratio alone (window=None)")
 
     def validate(self) -> None:
-        if isinstance(self.n_sink, bool) or not isinstance(self.n_sink, int) or self.n_sink < 0:
+        if self.n_sink < 0:
             raise ValueError(f"streaming_llm: n_sink={self.n_sink!r}; allowed values: an int >= 0")
         super().validate()
 
