@@ -10,14 +10,14 @@ compares the engine and the transformers path at the same kept counts: the kept 
 import sys
 
 import evals.cli
-import kvpress.policies.base as base
+import kvpress.policies.budget as budget
 from kvpress.policies.allocation import whole_pages
 
 
 def main(argv: list[str]) -> None:
     page = int(argv[0])
     # the transformers path builds every Context with page_size 1; this run gives the budget the engine's pages
-    base.whole_pages = lambda budget, n_real, _: whole_pages(budget, n_real, page)
+    budget.whole_pages = lambda budget, n_real, _: whole_pages(budget, n_real, page)
     evals.cli.main(argv[1:])
 
 

@@ -12,9 +12,10 @@ prefill-only policies (none, SnapKV, KVzip, ...) in one batch per storage layout
 the model's attention, flat ones through the gather kernel), decode-time evictors (H2O, TOVA, StreamingLLM) in
 another under `Rows`, which runs each row's own policy. Low-bit storage and custom hooks decode alone.
 
-Only public pieces of kvpress are used: Policy hooks, ScorerPolicy.score / protected / row_budget / compress,
-evict_to_budget, KVPressCache.fork / stack. tests/test_evals_engine.py checks every config against its own plain patched
-`generate`: same kept slots, same tokens."""
+Only public pieces of kvpress are used: Policy hooks and declarations (needs, decode_change, roles),
+ScorerPolicy.prefill_scores / cut_copy (one scoring, one cut per ratio) and score / protected for Rows,
+evict_to_budget, KVPressCache.fork_with / stack, KVPressLayer.low_bit / is_flat. tests/test_evals_engine.py checks
+every config against its own plain patched `generate`: same kept slots, same tokens."""
 
 from __future__ import annotations
 
@@ -30,10 +31,10 @@ from typing import ClassVar
 import torch
 
 import kvpress
-from kvpress import KVPressCache, KVPressLayer
+from kvpress import KVPressCache
 from kvpress.integrations.hf import with_cache
-from kvpress.policies import Policy, resolve_policy
-from kvpress.policies.base import Needs, ScorerPolicy, evict_to_budget
+from kvpress.policies import DecodeEviction, Policy, ScorerPolicy, resolve_policy
+from kvpress.policies.base import Needs, evict_to_budget
 from kvpress.policies.registry import get_policy_class
 
 
@@ -104,21 +105,19 @@ class FanOut(Policy):
         for group in self.groups:
             first = self.policies[group[0]]
             start = time.perf_counter()
-            # ScorerPolicy.on_prefill is row_budget + compress(score): observe and score once, cut per ratio.
-            shared = isinstance(first, ScorerPolicy) and type(first).on_prefill is ScorerPolicy.on_prefill
+            # A scorer that cuts each layer at prefill scores once for every ratio (prefill_scores), then each
+            # ratio cuts its own copy (cut_copy); one that decides after the whole prompt runs its own hooks.
+            shared = isinstance(first, ScorerPolicy) and not first.needs().model_pass
             if shared:
-                base = ctx.layer.fork()
-                first.observe(dataclasses.replace(ctx, layer=base))  # may add state (H2O's attention sums)
-                scores = first.score(dataclasses.replace(ctx, layer=base))
+                scored = dataclasses.replace(ctx, layer=ctx.layer.fork())
+                first.observe(scored)  # may add state (H2O's attention sums)
+                scores = first.prefill_scores(scored)
             shared_s = time.perf_counter() - start
             for c in group:
                 start = time.perf_counter()
                 policy = self.policies[c]
                 if shared:
-                    layer = base.fork()
-                    own = dataclasses.replace(ctx, layer=layer)
-                    policy.start_budget(own)
-                    policy.compress(own, scores)
+                    layer = policy.cut_copy(scored, scores)
                 else:
                     layer = ctx.layer.fork()
                     own = dataclasses.replace(ctx, layer=layer)
@@ -137,8 +136,7 @@ class FanOut(Policy):
         for c, policy in self.policies.items():
             if not policy.needs().model_pass:
                 continue
-            own = run.cache.fork()
-            own.layers = [self.layers[c].get(i, layer) for i, layer in enumerate(own.layers)]
+            own = run.cache.fork_with(self.layers[c])
             group = _params_key(policy)
             start = time.perf_counter()
             policy.after_prefill(dataclasses.replace(run, cache=own, memo=memo))
@@ -146,7 +144,7 @@ class FanOut(Policy):
             self.total_s += elapsed
             self.score_s[c] += elapsed + shared_s.get(group, 0.0)
             shared_s.setdefault(group, elapsed)
-            self.layers[c] = {i: layer for i, layer in enumerate(own.layers) if i in self.layers[c]}
+            self.layers[c] = {i: own.layers[i] for i in self.layers[c]}
 
 
 @dataclass
@@ -166,11 +164,7 @@ def prefill(model, ids: torch.Tensor, configs: list[Config]) -> Prefill:
         out = model(**with_cache(model, cache, input_ids=ids, use_cache=True, logits_to_keep=1))
         total = time.perf_counter() - start
     forward_s = total - fan.total_s
-    caches = {}
-    for c in configs:
-        per = cache.fork()
-        per.layers = [fan.layers[c].get(i, layer) for i, layer in enumerate(per.layers)]
-        caches[c] = per
+    caches = {c: cache.fork_with(fan.layers[c]) for c in configs}
     return Prefill(out.logits[:, -1].float(), caches, {c: forward_s + fan.score_s[c] for c in configs}, ids.shape[1])
 
 
@@ -217,15 +211,15 @@ def _params_key(policy: Policy):
 
 
 def _passive(policy: Policy) -> bool:
-    """Acts at prefill only (none, SnapKV, Knorm, Random): it evicts nothing while decoding, picks no read subset
-    (read policies), stores nothing low-bit (codecs), rewrites no keys and keeps no decode budget."""
-    return all(not p.evicts_during_decode and not p.selects and not p.is_codec and not p.rewrites_keys
-               and (not isinstance(p, ScorerPolicy) or p.decode_budget is None) for p in policy.parts())
+    """Acts at prefill only (none, SnapKV, Knorm, Random): a decode step of none of its parts changes the cache
+    besides appending (no eviction while decoding, no read subset, no low-bit flush, no decode budget), and none
+    rewrites keys."""
+    return all(p.decode_change is None and not p.rewrites_keys for p in policy.parts())
 
 
 def _rowwise(policy: Policy) -> bool:
     """Evicts while decoding through ScorerPolicy's own path (H2O, TOVA, StreamingLLM): Rows can run it."""
-    return (isinstance(policy, ScorerPolicy) and policy.evicts_during_decode and policy.decode_budget is None
+    return (isinstance(policy, ScorerPolicy) and isinstance(policy, DecodeEviction) and policy.decode_budget is None
             and policy.slack == 0 and not policy.rewrites_keys)
 
 
@@ -285,7 +279,7 @@ def decode_batches(pre: Prefill, configs: list[Config]) -> list[tuple[list[Confi
     shared_keys = {}  # policy class -> the parameter set that rides in the shared Rows batch
     for c in configs:
         key = _params_key(made[c])
-        layers = [layer for layer in pre.caches[c].layers if isinstance(layer, KVPressLayer)]
+        layers = [layer for _, layer in pre.caches[c].kvpress_layers()]
         if any(layer.low_bit is not None for layer in layers):
             alone.append(c)  # low-bit codes: no row stacking
         elif _passive(made[c]) and any(layer.is_flat for layer in layers):

@@ -222,3 +222,27 @@ def test_padded_row_compresses_its_own_tokens(name):
     shifted = SimpleNamespace(key_positions=lambda: batched.key_positions()[1:] - P, key_valid=lambda: batched.key_valid()[1:])
     forced_sets = [set() if forced is None else set(forced[0, h].nonzero().flatten().tolist()) for h in range(HKV)]
     assert_kept_is_top(shifted, [[(alone_scores[h], forced_sets[h]) for h in range(HKV)]], int(n_keep[0, 0]), length=L - P)
+
+
+@pytest.mark.parametrize("name", ["snapkv", "knorm", "h2o", "tova", "streaming_llm"])
+def test_a_context_built_from_plain_tensors_scores_like_the_integrations(name):
+    """Context.from_tensors: queries, keys, values (and a padding mask) with no transformers module behind them, as
+    a serving engine holds them. The scorer sees the same layer and cuts the same slots."""
+    torch.manual_seed(3)
+    q, k, v = torch.randn(B, HQ, L, D), torch.randn(B, HKV, L, D), torch.randn(B, HKV, L, D)
+    valid = torch.ones(B, L, dtype=torch.bool)
+    valid[1, :5] = False
+    policy = ALL[name](compression_ratio=0.5)
+    ctx = Context.from_tensors(q, k, v, valid=valid)
+    assert ctx.module is None and ctx.phase == "prefill" and ctx.scaling == D ** -0.5
+    policy.observe(ctx)
+    scores = policy.score(ctx)
+    policy.on_prefill(ctx)
+    reference = KVPressLayer()
+    reference.update(k, v, new_valid=valid)
+    by_hand = Context(layer_idx=0, layer=reference, phase="prefill", query=q, scaling=D ** -0.5)
+    policy.observe(by_hand)
+    assert torch.equal(scores, policy.score(by_hand))
+    policy.on_prefill(by_hand)
+    assert kept_sets(ctx.layer) == kept_sets(reference)
+    assert torch.equal(ctx.layer.values_view(), reference.values_view())

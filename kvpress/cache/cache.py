@@ -236,6 +236,13 @@ class KVPressCache(Cache):
                 )
         return rows
 
+    def fork_with(self, layers: dict[int, KVPressLayer]) -> "KVPressCache":
+        """A fork of this cache (see fork) whose layers at the given indices are `layers`: a cache for layers
+        compressed apart from it (evals: one prefill, then each config's own compressed copy of every layer)."""
+        out = self.fork()
+        out.layers = [layers.get(i, layer) for i, layer in enumerate(out.layers)]
+        return out
+
 
 def _empty_like(layer: DynamicSlidingWindowLayer) -> DynamicSlidingWindowLayer:
     """An empty stock sliding-window layer like `layer` (its window, and whether it records its past)."""

@@ -21,7 +21,7 @@ from ..cache.read import UNMASKED, Read
 from ..heads import SINGLE, HeadShards
 from ..kernels.online_softmax import Queries
 from ..kernels.sparse_attention import Selection
-from ..policies import Context, Policy
+from ..policies import Context, Policy, ReadView
 from .hf import config_heads
 from .registry import binding_of
 
@@ -65,12 +65,12 @@ def kvpress_attention(module, query, key, value, attention_mask, **kwargs):
     policy = patch.policy
     # A read view: the cache's draft view during self-speculation, else a read policy after prefill.
     view = cache.read_policy
-    if view is None and policy.selects and phase not in ("prefill", "probe"):
+    if view is None and isinstance(policy, ReadView) and phase not in ("prefill", "probe"):
         view = policy
     read = Read(
         Queries(query, ctx.query_positions(), ctx.scaling, ctx.softcap, ctx.sliding_window),
         keys=policy.key_view(ctx) if policy.rewrites_keys else None,
-        select=(lambda: Selection(*_selection(view, ctx))) if view is not None and view.selects else None,
+        select=(lambda: Selection(*_selection(view, ctx))) if isinstance(view, ReadView) else None,
         precision=None if view is None else view.read_precision,
         probabilities=phase == "decode" and patch.needs.probabilities,
     )

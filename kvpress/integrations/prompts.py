@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ..cache import KVPressLayer
-from ..policies import Context, Policy
+from ..policies import Codec, Context, Policy, ReadView
 from ..policies.allocation import whole_pages
 from ..positions import Rotary
 
@@ -30,10 +30,10 @@ def check_servable(policy: Policy) -> None:
     """Raise ValueError unless `policy` decides from one prompt's tensors, layer by layer, at the prompt's end: what
     an engine that frees whole pages after the prompt can run."""
     name = policy.name
-    if policy.is_codec or len(policy.parts()) > 1:
+    if isinstance(policy, Codec) or len(policy.parts()) > 1:
         raise ValueError(f"policy={policy.describe()!r}: low-bit storage (kivi, gear) needs kvpress's own cache "
                          f"layout, not the engine's pages; allowed: an eviction policy alone")
-    if policy.selects:
+    if isinstance(policy, ReadView):
         raise ValueError(f"policy={name!r} is a read policy (it evicts nothing, it picks what each decode step reads); "
                          f"allowed: an eviction policy")
     if policy.needs().model_pass:

@@ -1,6 +1,7 @@
 """Policies: one small file each, registered by name."""
 
-from .base import BudgetPolicy, Context, Policy, ScorerPolicy, select_kept
+from .base import (AllocatedBudgetPolicy, BudgetPolicy, Codec, Context, DecodeEviction, Policy, ReadView, ScorerPolicy,
+                   select_kept)
 from .registry import get_policy_class, list_policies, register, resolve_policy
 from .none import NoCompression
 from .knorm import Knorm
@@ -20,7 +21,8 @@ from .compose import Composed
 from .sparse import Quant4View, Quest, ReadPolicy, Retrieval, SinkWindow, TopK
 
 __all__ = [
-    "Policy", "BudgetPolicy", "ScorerPolicy", "Context", "select_kept",
+    "Policy", "BudgetPolicy", "AllocatedBudgetPolicy", "ScorerPolicy", "Context", "select_kept",
+    "Codec", "ReadView", "DecodeEviction",
     "register", "list_policies", "get_policy_class", "resolve_policy",
     "NoCompression", "Knorm", "RandomPolicy", "TOVA", "SnapKV", "H2O", "StreamingLLM", "KVzip", "ExpectedAttention", "KeyDiff", "KVzap", "DuoAttention",
     "KIVI", "GEAR", "Composed", "ReadPolicy", "Quest", "Retrieval", "TopK", "SinkWindow", "Quant4View",

@@ -21,11 +21,11 @@ def validate_allocation(owner: str, allocation, floor, beta, allowed=ALLOCATIONS
     if allocation not in allowed:
         raise ValueError(f"{owner}: budget_allocation={allocation!r} is not one of this policy's allocations; "
                          f"allowed values: {list(allowed)}")
-    if not isinstance(floor, (int, float)) or not 0.0 <= float(floor) <= 1.0:
+    if not 0.0 <= float(floor) <= 1.0:
         raise ValueError(
             f"{owner}: head_floor={floor!r} is a fraction of the mean per-head budget; a floor above the mean "
             f"budget cannot be met by every head; allowed values: a float in [0, 1]")
-    if not isinstance(beta, (int, float)) or float(beta) <= 1.0:
+    if float(beta) <= 1.0:
         raise ValueError(f"{owner}: pyramid_beta={beta!r}; allowed values: a number > 1")
 
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from .base import Context, ModelPass, Needs, Policy
+from .context import Context
+from .protocol import ModelPass, Needs, Policy
+from .roles import Codec, ReadView
 
 
 @dataclass
@@ -14,13 +16,13 @@ class Composed(Policy):
     evictor that decides after the whole prompt (model_pass) hands its layers to the codec only then."""
 
     evictor: Policy = None
-    codec: Policy = None
+    codec: Codec = None
     name = "composed"
 
     def validate(self) -> None:
         self.evictor.validate()
         self.codec.validate()
-        if self.evictor.selects:
+        if isinstance(self.evictor, ReadView):
             raise ValueError(f"{self.evictor.name}: sparse reads over low-bit storage are not supported; "
                              f"allowed: {self.evictor.name} alone, or an eviction policy + {self.codec.name}")
         self.evictor.check_codec(self.codec)
@@ -30,10 +32,6 @@ class Composed(Policy):
 
     def parts(self) -> list[Policy]:
         return [self.evictor, self.codec]
-
-    @property
-    def evicts_during_decode(self) -> bool:
-        return self.evictor.evicts_during_decode
 
     @property
     def rewrites_keys(self) -> bool:

@@ -13,19 +13,21 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import ClassVar
 
 import torch
 
 from ..formats.calibration import Calibration
 from ..heads import HeadShards
-from .base import Context, ModelInfo, Policy, first_slots, last_slots, select_kept
+from .context import Context
+from .protocol import ModelInfo
+from .roles import DecodeEviction
+from .selection import first_slots, last_slots, select_kept
 from .registry import register
 
 
 @register
 @dataclass
-class DuoAttention(Policy):
+class DuoAttention(DecodeEviction):
     name = "duo_attention"
     streaming_heads: float = 0.5
     n_sink: int = 4
@@ -34,7 +36,6 @@ class DuoAttention(Policy):
     calibration: str | None = None
     # {layer_idx: [Hkv] bool} streaming heads, resolved from the calibration file when patching
     heads: object = field(default=None, repr=False, compare=False)
-    evicts_during_decode: ClassVar[bool] = True
 
     def validate(self) -> None:
         if not 0.0 <= self.streaming_heads <= 1.0:

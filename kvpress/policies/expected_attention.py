@@ -22,7 +22,10 @@ from dataclasses import dataclass
 import torch
 
 from ..positions import apply_rotary, rotate_half
-from .base import Context, Needs, ScorerPolicy, first_slots
+from .context import Context
+from .protocol import Needs
+from .scorer import ScorerPolicy
+from .selection import first_slots
 from .registry import register
 
 _COUNT, _REAL, _SUM, _OUTER = "ea_count", "ea_real_seen", "ea_query_sum", "ea_query_outer"
@@ -42,12 +45,9 @@ class ExpectedAttention(ScorerPolicy):
         super().validate()
         for field, low in (("n_future_positions", 1), ("n_sink", 0)):
             value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            if value < low:
                 raise ValueError(f"expected_attention: {field}={value!r}; allowed values: an int >= {low}")
-        for field in ("use_covariance", "use_vnorm"):
-            if not isinstance(getattr(self, field), bool):
-                raise ValueError(f"expected_attention: {field}={getattr(self, field)!r}; allowed values: True, False")
-        if not isinstance(self.epsilon, (int, float)) or self.epsilon < 0:
+        if self.epsilon < 0:
             raise ValueError(f"expected_attention: epsilon={self.epsilon!r}; allowed values: a number >= 0")
 
     def query_rows(self) -> int:

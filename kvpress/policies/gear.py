@@ -26,13 +26,13 @@ class GEAR(KIVI):
 
     def validate(self) -> None:
         super().validate()
-        if not isinstance(self.rank, int) or not 1 <= self.rank <= self.group_size:
+        if not 1 <= self.rank <= self.group_size:
             # each group of group_size slots is approximated at this rank: a larger one cannot be, and flushes of
             # different sizes would then store factors of different widths
             raise ValueError(f"gear: rank={self.rank!r}; allowed values: an int in [1, group_size={self.group_size}]")
         if not 0.0 <= self.outlier_ratio < 0.5:
             raise ValueError(f"gear: outlier_ratio={self.outlier_ratio!r}; allowed values: a float in [0, 0.5)")
-        if not isinstance(self.power_iters, int) or self.power_iters < 1:
+        if self.power_iters < 1:
             raise ValueError(f"gear: power_iters={self.power_iters!r}; allowed values: an int >= 1")
 
     def encode(self, keys, values, valid):

@@ -1,9 +1,12 @@
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 
-from .base import Context, Needs, ScorerPolicy, last_slots
+from .context import Context
+from .protocol import Needs
+from .roles import DecodeEviction
+from .scorer import ScorerPolicy
+from .selection import last_slots
 from .registry import register
 
 _STATE = "h2o_accumulated_attention"
@@ -11,7 +14,7 @@ _STATE = "h2o_accumulated_attention"
 
 @register
 @dataclass
-class H2O(ScorerPolicy):
+class H2O(ScorerPolicy, DecodeEviction):
     """H2O (Zhang et al. 2023): keep the heavy hitters (highest attention accumulated over every query so far,
     summed over each GQA group, fp32) plus the `recent` newest tokens. Cuts the prompt to the budget at
     prefill (column sums computed in query chunks), then evicts at every decode step to hold the budget.
@@ -19,11 +22,10 @@ class H2O(ScorerPolicy):
 
     name = "h2o"
     recent: int | None = None
-    evicts_during_decode: ClassVar[bool] = True
 
     def validate(self) -> None:
         super().validate()
-        if self.recent is not None and (not isinstance(self.recent, int) or self.recent < 0):
+        if self.recent is not None and self.recent < 0:
             raise ValueError(f"h2o: recent={self.recent!r}; allowed values: an int >= 0")
         if self.budget is not None and self.recent is not None and self.budget < self.recent:
             raise ValueError(

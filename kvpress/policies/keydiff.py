@@ -11,7 +11,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .base import Context, ScorerPolicy
+from .context import Context
+from .scorer import ScorerPolicy
 from .registry import register
 
 

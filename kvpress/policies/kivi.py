@@ -3,13 +3,14 @@ from typing import ClassVar
 
 from ..cache.codecs import encode_kivi
 from ..cache.rollback import appends_before_flush
-from .base import Context, Policy
+from .context import Context
+from .roles import Codec
 from .registry import register
 
 
 @register
 @dataclass
-class KIVI(Policy):
+class KIVI(Codec):
     """KIVI (Liu et al. 2024) storage: asymmetric `bits`-bit codes, keys per channel over groups of
     `group_size` slots, values per token over groups of `group_size` channels, fp16 scale/min per group.
     The newest `residual_length` tokens (at least) stay in full precision; once `group_size` more have
@@ -19,7 +20,6 @@ class KIVI(Policy):
     share one boundary and flush a group at a time, so both keep >= residual_length recent tokens exact.)"""
 
     name = "kivi"
-    is_codec: ClassVar[bool] = True
     allowed_bits: ClassVar[tuple] = (2, 4, 8)
     bits: int = 2
     group_size: int = 32
@@ -28,9 +28,9 @@ class KIVI(Policy):
     def validate(self) -> None:
         if self.bits not in self.allowed_bits:
             raise ValueError(f"{self.name}: bits={self.bits!r}; allowed values: {list(self.allowed_bits)}")
-        if not isinstance(self.group_size, int) or self.group_size < 1:
+        if self.group_size < 1:
             raise ValueError(f"{self.name}: group_size={self.group_size!r}; allowed values: an int >= 1")
-        if not isinstance(self.residual_length, int) or self.residual_length < 0:
+        if self.residual_length < 0:
             raise ValueError(f"{self.name}: residual_length={self.residual_length!r}; allowed values: an int >= 0")
 
     def for_model(self, model):
@@ -42,10 +42,6 @@ class KIVI(Policy):
                 f"(values are quantized in groups of channels); allowed values: {divisors}"
             )
         return self
-
-    @property
-    def decode_change(self) -> str:
-        return "moves old tokens into low-bit codes while decoding"
 
     def appends_before_change(self, layer) -> int:
         return appends_before_flush(layer, self.residual_length, self.group_size)

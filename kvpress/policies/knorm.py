@@ -2,7 +2,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Context, ScorerPolicy
+from .context import Context
+from .scorer import ScorerPolicy
 from .registry import register
 
 # Significant bits a key norm is compared at: 1.5e-5 relative, about 250 times fp32's rounding and far below the

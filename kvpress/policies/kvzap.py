@@ -28,7 +28,10 @@ import torch
 
 from ..formats.calibration import Calibration
 from ..heads import HeadShards
-from .base import Context, ModelInfo, ModelPass, Needs, ScorerPolicy, evict_after_prompt, first_slots, last_slots
+from .context import Context
+from .protocol import ModelInfo, ModelPass, Needs
+from .scorer import ScorerPolicy
+from .selection import evict_after_prompt, first_slots, last_slots
 from .registry import register
 
 _STATE = "kvzap_predicted"
@@ -83,6 +86,9 @@ class KVzap(ScorerPolicy):
             self.start_budget(ctx)  # the cut comes after every layer has seen the prompt (after_prefill)
             return
         super().on_prefill(ctx)
+
+    def cut(self, ctx: Context, scores: torch.Tensor) -> None:
+        super().cut(ctx, scores)
         self._release(ctx.layer)
 
     def after_prefill(self, run: ModelPass) -> None:

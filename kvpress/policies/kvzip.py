@@ -30,7 +30,10 @@ from typing import ClassVar
 
 import torch
 
-from .base import Context, ModelPass, Needs, ScorerPolicy, evict_after_prompt, first_slots
+from .budget import AllocatedBudgetPolicy
+from .context import Context
+from .protocol import ModelPass, Needs
+from .selection import evict_after_prompt, first_slots
 from .registry import register
 
 _ROW_BLOCK_ELEMENTS = 1 << 22  # fp32 logits per block of replay rows (16 MB)
@@ -66,7 +69,7 @@ class ReplayPrompt:
 
 @register
 @dataclass
-class KVzip(ScorerPolicy):
+class KVzip(AllocatedBudgetPolicy):
     name = "kvzip"
     budget_allocation: str = "global"
     chunk_size: int = 2048
@@ -80,12 +83,10 @@ class KVzip(ScorerPolicy):
 
     def validate(self) -> None:
         super().validate()
-        if isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int) or self.chunk_size < 1:
+        if self.chunk_size < 1:
             raise ValueError(f"kvzip: chunk_size={self.chunk_size!r}; allowed values: an int >= 1")
-        if isinstance(self.n_sink, bool) or not isinstance(self.n_sink, int) or self.n_sink < 0:
+        if self.n_sink < 0:
             raise ValueError(f"kvzip: n_sink={self.n_sink!r}; allowed values: an int >= 0")
-        if not isinstance(self.kvzip_plus, bool):
-            raise ValueError(f"kvzip: kvzip_plus={self.kvzip_plus!r}; allowed values: True, False")
         if self.decode_budget is not None:
             raise ValueError(f"kvzip: decode_budget={self.decode_budget!r}: generated tokens get no replay score; "
                              f"allowed values: None")
@@ -114,9 +115,6 @@ class KVzip(ScorerPolicy):
     # -- per layer: the budget is fixed at prefill; nothing is evicted before the replay
     def on_prefill(self, ctx: Context) -> None:
         self.start_budget(ctx)
-
-    def score(self, ctx: Context) -> torch.Tensor:
-        raise NotImplementedError("kvzip scores by replaying the prompt after prefill (after_prefill), not per layer")
 
     # -- the model-level hook
     def after_prefill(self, run: ModelPass) -> None:

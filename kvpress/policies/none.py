@@ -1,6 +1,6 @@
 from dataclasses import dataclass
 
-from .base import Policy
+from .protocol import Policy
 from .registry import register
 
 

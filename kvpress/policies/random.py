@@ -2,7 +2,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Context, Needs, ScorerPolicy
+from .context import Context
+from .protocol import Needs
+from .scorer import ScorerPolicy
 from .registry import register
 
 _MASK_52 = (1 << 52) - 1

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from .base import Policy
+from .compose import Composed
+from .params import check_params
+from .protocol import Policy
+from .roles import Codec, ReadView
 
 _REGISTRY: dict[str, type[Policy]] = {}
 
@@ -52,8 +55,6 @@ def resolve_policy(policy, **params) -> Policy:
 
 
 def _compose(parts, params: dict) -> Policy:
-    from .compose import Composed
-
     if not parts:
         raise ValueError("policy=[]; allowed values: a name, a Policy, or a list of one eviction policy and one codec")
     classes = [get_policy_class(p) if isinstance(p, str) else type(p) for p in parts]
@@ -69,27 +70,19 @@ def _compose(parts, params: dict) -> Policy:
     for part, cls in zip(parts, classes):
         own = {k: v for k, v in params.items() if k in {f.name for f in dataclasses.fields(cls)}}
         built.append(resolve_policy(part, **own))
-    readers = [p for p in built if p.selects]
+    readers = [p for p in built if isinstance(p, ReadView)]
     if readers:
         raise ValueError(f"policy: {readers[0].name!r} is a read policy (it picks the slots each decode step reads and "
                          f"evicts nothing), which composes with no eviction policy or codec; allowed: "
                          f"{readers[0].name!r} alone, or as a speculative draft")
-    codecs = [p for p in built if p.is_codec]
-    evictors = [p for p in built if not p.is_codec]
+    codecs = [p for p in built if isinstance(p, Codec)]
+    evictors = [p for p in built if not isinstance(p, Codec)]
     if len(codecs) > 1:
         raise ValueError(f"policy: {[c.name for c in codecs]} are two storage codecs; allowed: at most one codec "
-                         f"({[n for n in list_policies() if get_policy_class(n).is_codec]})")
+                         f"({[n for n in list_policies() if issubclass(get_policy_class(n), Codec)]})")
     if len(evictors) > 1:
         raise ValueError(f"policy: {[e.name for e in evictors]} are two eviction policies; allowed: one eviction "
                          f"policy plus at most one codec")
     if not codecs:
         return evictors[0]
     return Composed(evictor=evictors[0] if evictors else get_policy_class("none")(), codec=codecs[0])
-
-
-def check_params(cls: type[Policy], params: dict) -> None:
-    """ValueError naming every parameter `cls` does not take (before a constructor's TypeError could)."""
-    allowed = [f.name for f in dataclasses.fields(cls)]
-    unknown = sorted(set(params) - set(allowed))
-    if unknown:
-        raise ValueError(f"{cls.name}: unknown parameter(s) {unknown}; allowed parameters: {allowed}")

@@ -3,7 +3,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .base import Context, ScorerPolicy, last_slots
+from .context import Context
+from .scorer import ScorerPolicy
+from .selection import last_slots
 from .registry import register
 
 
@@ -23,9 +25,9 @@ class SnapKV(ScorerPolicy):
 
     def validate(self) -> None:
         super().validate()
-        if not isinstance(self.window_size, int) or self.window_size < 1:
+        if self.window_size < 1:
             raise ValueError(f"snapkv: window_size={self.window_size!r}; allowed values: an int >= 1")
-        if not isinstance(self.kernel_size, int) or self.kernel_size < 1 or self.kernel_size % 2 == 0:
+        if self.kernel_size < 1 or self.kernel_size % 2 == 0:
             raise ValueError(f"snapkv: kernel_size={self.kernel_size!r}; allowed values: an odd int >= 1")
         if self.pooling not in ("max", "avg"):
             raise ValueError(f"snapkv: pooling={self.pooling!r}; allowed values: 'max', 'avg'")

@@ -14,7 +14,9 @@ from typing import ClassVar
 
 import torch
 
-from .base import Context, Policy
+from .context import Context
+from .protocol import Policy
+from .roles import ReadView
 from .registry import register
 
 
@@ -106,16 +108,14 @@ def _query_rows(ctx: Context) -> torch.Tensor:
 
 
 @dataclass
-class ReadPolicy(Policy):
+class ReadPolicy(ReadView):
+    """A read view that reads at most about `budget` slots per KV head at each decode step."""
+
     budget: int = 512
-    selects: ClassVar[bool] = True
 
     def validate(self) -> None:
-        if not isinstance(self.budget, int) or self.budget < 1:
+        if self.budget < 1:  # its kind (an int) is checked from the annotation
             raise ValueError(f"{self.name}: budget={self.budget!r}; allowed values: an int >= 1")
-
-    def select(self, ctx: Context):
-        raise NotImplementedError
 
 
 @register
@@ -131,7 +131,7 @@ class Quest(ReadPolicy):
 
     def validate(self) -> None:
         super().validate()
-        if not isinstance(self.page_size, int) or self.page_size < 1:
+        if self.page_size < 1:
             raise ValueError(f"quest: page_size={self.page_size!r}; allowed values: an int >= 1")
 
     def select(self, ctx: Context):
@@ -160,9 +160,9 @@ class Retrieval(ReadPolicy):
 
     def validate(self) -> None:
         super().validate()
-        if not isinstance(self.chunk_size, int) or self.chunk_size < 1:
+        if self.chunk_size < 1:
             raise ValueError(f"retrieval: chunk_size={self.chunk_size!r}; allowed values: an int >= 1")
-        if not isinstance(self.recent, int) or self.recent < 0:
+        if self.recent < 0:
             raise ValueError(f"retrieval: recent={self.recent!r}; allowed values: an int >= 0")
 
     def select(self, ctx: Context):
@@ -205,7 +205,7 @@ class SinkWindow(ReadPolicy):
 
     def validate(self) -> None:
         super().validate()
-        if not isinstance(self.n_sink, int) or self.n_sink < 0:
+        if self.n_sink < 0:
             raise ValueError(f"sink_window: n_sink={self.n_sink!r}; allowed values: an int >= 0")
         if self.budget <= self.n_sink:
             raise ValueError(f"sink_window: budget={self.budget} must exceed n_sink={self.n_sink}; "

@@ -1,16 +1,19 @@
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 
 from ..positions import rotate_keys
-from .base import Context, Needs, ScorerPolicy, first_slots, position_rank
+from .context import Context
+from .protocol import Needs
+from .roles import DecodeEviction
+from .scorer import ScorerPolicy
+from .selection import first_slots, position_rank
 from .registry import register
 
 
 @register
 @dataclass
-class StreamingLLM(ScorerPolicy):
+class StreamingLLM(ScorerPolicy, DecodeEviction):
     """StreamingLLM (Xiao et al. 2024): `n_sink` attention sinks (the first real tokens of each row) plus a window
     of the newest tokens, trimmed at prefill and at every decode step. Capacity: n_sink + window (window given),
     or a budget / compression_ratio (window=None), never both.
@@ -23,7 +26,6 @@ class StreamingLLM(ScorerPolicy):
     n_sink: int = 4
     window: int | None = None
     cache_local_positions: bool = False
-    evicts_during_decode: ClassVar[bool] = True
 
     def check_budget(self) -> None:
         """The capacity is given once: as n_sink + window, or as a budget / compression_ratio (then the window is
@@ -34,7 +36,7 @@ class StreamingLLM(ScorerPolicy):
                 raise ValueError(f"streaming_llm: budget={self.budget} is smaller than n_sink + window = "
                                  f"{self.n_sink} + 1; allowed values: budget >= n_sink + window with window >= 1")
             return
-        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
+        if self.window < 1:
             raise ValueError(f"streaming_llm: window={self.window!r}; allowed values: None or an int >= 1")
         given = "budget" if self.budget is not None else "compression_ratio" if self.compression_ratio is not None \
             else None
@@ -47,7 +49,7 @@ class StreamingLLM(ScorerPolicy):
                 f"window), or budget / compression_ratio alone (window=None)")
 
     def validate(self) -> None:
-        if isinstance(self.n_sink, bool) or not isinstance(self.n_sink, int) or self.n_sink < 0:
+        if self.n_sink < 0:
             raise ValueError(f"streaming_llm: n_sink={self.n_sink!r}; allowed values: an int >= 0")
         super().validate()
 

@@ -1,18 +1,19 @@
 from dataclasses import dataclass
-from typing import ClassVar
 
-from .base import Context, Needs, ScorerPolicy
+from .context import Context
+from .protocol import Needs
+from .roles import DecodeEviction
+from .scorer import ScorerPolicy
 from .registry import register
 
 
 @register
 @dataclass
-class TOVA(ScorerPolicy):
+class TOVA(ScorerPolicy, DecodeEviction):
     """TOVA (Oren et al. 2024): keep the slots the last query attends to most, averaged over all query heads;
     one index set shared by every KV head. Trims the prompt at prefill, then evicts one token per step."""
 
     name = "tova"
-    evicts_during_decode: ClassVar[bool] = True
 
     def query_rows(self) -> int:
         return 1  # the last query's attention

@@ -24,7 +24,7 @@ from ..cache import KVPressCache
 from ..integrations.hf import with_cache
 from ..integrations.patching import patch_model
 from ..integrations.registry import patch_of
-from ..policies import KIVI, Quant4View, Quest, ReadPolicy, Retrieval, SinkWindow, TopK
+from ..policies import KIVI, Codec, Quant4View, Quest, ReadPolicy, Retrieval, SinkWindow, TopK
 from ..policies.registry import check_params, resolve_policy
 
 DRAFTS = {"sink_window": SinkWindow, "retrieval": Retrieval, "quest": Quest, "topk": TopK, "quant4": Quant4View}
@@ -110,14 +110,14 @@ def _check(draft, gamma, max_new_tokens, do_sample, temperature, top_p, draft_bu
 
 def _draft_and_target(draft, draft_params: dict, draft_budget, gamma: int, existing, context: int):
     """(the draft's read view, the policy to patch an unpatched model with), every argument checked first."""
-    changes = [p.decode_change for p in existing.policy.parts() if not p.is_codec] if existing is not None else []
+    changes = [p.decode_change for p in existing.policy.parts() if not isinstance(p, Codec)] if existing is not None else []
     if any(changes):  # a codec's flushes are kept out of every round instead (_loop)
         raise ValueError(f"model is patched with {existing.policy.describe()}, which {next(c for c in changes if c)}: "
                          f"a rejected draft could not be rolled back exactly; allowed: an unpatched model, or a policy "
                          f"that acts only at prefill (e.g. none, snapkv, kivi)")
     if draft == "quant4" or isinstance(draft, Quant4View):
         # QuantSpec: the target reads 8-bit codes (the reference it is lossless to), the draft their upper 4 bits
-        codec = next((p for p in existing.policy.parts() if p.is_codec), None) if existing is not None else None
+        codec = next((p for p in existing.policy.parts() if isinstance(p, Codec)), None) if existing is not None else None
         if existing is not None and not (isinstance(codec, KIVI) and codec.bits == 8):
             raise ValueError("draft='quant4' reads the upper half of 8-bit codes; allowed: an unpatched model, or one "
                              "patched with kivi bits=8")

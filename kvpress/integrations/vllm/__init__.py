@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 
+from ...policies import DecodeEviction
 from .settings import KEY, EngineSettings
 
 logger = logging.getLogger("kvpress")
@@ -88,6 +89,6 @@ def configure(vllm_config) -> None:
         logger.warning("kvpress: %s reads each layer's attention input: the model runs eagerly (not compiled)",
                        settings.policy.name)
     for part in settings.policy.parts():
-        if part.evicts_during_decode:
+        if isinstance(part, DecodeEviction):
             logger.warning("kvpress: %s evicts while decoding under transformers; in vLLM it cuts the prompt only "
                            "(decode-time eviction is not served yet)", part.name)

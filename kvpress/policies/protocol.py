@@ -1,0 +1,171 @@
+"""The policy protocol: what a policy declares (Needs, roles), what it sees (Context, ModelInfo, ModelPass), and its
+hooks (Policy).
+
+A policy is a dataclass of hyper-parameters (checked as params.py says) with hooks (no-ops by default), called by
+the one attention integration in this order for every attention layer and forward:
+  observe(ctx)        after attention, in every phase: accumulate per-slot or per-layer statistics (H2O's
+                      attention sums, ExpectedAttention's query statistics); the only hook that updates state
+                      without evicting, so scoring twice never counts twice
+  on_prefill(ctx)     after the prompt (or one chunk of it): may compact the layer
+  on_decode(ctx)      after a one-token forward: may compact the layer
+  on_extend(ctx)      after a multi-token forward on a non-empty layer (a later turn, a verification): never
+                      evicts (design invariant 4)
+and once per forward of the whole model:
+  after_prefill(run)  after the prompt (and after each chunk of a chunked prefill) went through every layer:
+                      may run extra forwards over the cache (`run.probe`) and evict in every layer at once
+A policy declares what it needs from the forward (`needs()`: the rotary embedding, the attention input's hidden
+states, the model-level hook); the integration provides exactly that, and compositions and wrappers forward the
+union of their parts' needs. What a policy IS (a storage codec, a read view, an evictor while decoding, a key
+rewriter) is declared once, in roles.py. Policies hold no per-call state: whatever must persist lives in the cache
+layer (per-slot state, per-layer statistics, `row_budget`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, ClassVar
+
+import torch
+
+from ..cache import KVPressCache
+from ..heads import SINGLE, HeadShards
+from ..positions import Rotary
+from .context import Context
+from .params import HyperParameters
+
+
+@dataclass(frozen=True)
+class Needs:
+    """What a policy needs from the forward besides the post-RoPE query and its cache layer."""
+
+    rotary: bool = False  # the layer's RoPE at any position (Context.rotary): pre-RoPE queries, re-rotation
+    hidden_states: bool = False  # the attention module's input hidden states (Context.hidden_states)
+    model_pass: bool = False  # after_prefill(run), once the prompt (or a chunk of it) went through every layer
+    # attention probabilities of a decode step's query over every stored slot, from the attention pass itself
+    # (Context.attention_probs / attention_column_sums then cost nothing; other phases recompute them)
+    probabilities: bool = False
+    # the evidence of every head of the model, when this process holds only some (tensor parallelism): a
+    # decision over several heads at once (TOVA's mean, AdaKV's per-layer and KVzip's global top-k); see heads.py
+    all_heads: bool = False
+    # the prompt's token ids, after the prompt (ModelPass.input_ids): a forward given inputs_embeds is refused
+    prompt_ids: bool = False
+
+    def __or__(self, other: "Needs") -> "Needs":
+        return Needs(*(a or b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
+
+
+
+@dataclass
+class ModelInfo:
+    """The model a policy will serve, as policies see it before it runs (Policy.for_model): a transformers model that
+    patch_model wraps, or a model a serving engine runs (its config and weights, no transformers modules)."""
+
+    config: object  # the decoder's transformers config
+    layers: list  # indices of the attention layers kvpress compresses, in order
+    head_dim: int
+    identity: Callable[[], dict]  # () -> the weights' identity (formats/calibration.identity_of), when asked
+    folder: Path | None  # the folder of the weights (calibration files sit beside them); None when not local
+    rotary: Callable[[int], Rotary]  # layer index -> its RoPE (ValueError when the model has none kvpress can use)
+    model: torch.nn.Module | None = None  # the transformers model (None in a serving engine)
+    modules: list | None = None  # its attention modules, in layer order (None in a serving engine)
+
+
+@dataclass
+class ModelPass:
+    """What the model-level hook (Policy.after_prefill) sees, once the prompt, or one chunk of a chunked prefill,
+    has gone through every layer."""
+
+    model: torch.nn.Module
+    cache: KVPressCache
+    input_ids: torch.Tensor | None  # [B, n] this forward's tokens (None when the model was fed embeddings)
+    attention_mask: torch.Tensor | None  # [B, seen] 2-D padding mask of everything seen so far (None: no padding)
+    next_positions: torch.Tensor  # [B] the RoPE position the next token of each row gets
+    # While a chunked prefill runs: real tokens of the whole prompt per row [B] and its padded length
+    prompt_tokens: torch.Tensor | None
+    prompt_length: int | None
+    # probe(input_ids, attention_mask, position_ids, on_layer): a forward of extra tokens over the cache that
+    # calls on_layer(ctx) in every kvpress layer after attention and leaves the cache exactly as it was
+    probe: Callable
+    shards: HeadShards = SINGLE  # the block of KV heads this process's layers hold (all_heads)
+    # results a policy may share between passes over the same prompt (evals: configs that differ only in budget)
+    memo: dict = dataclasses.field(default_factory=dict)
+
+    def layers(self) -> list:
+        """(layer_idx, KVPressLayer) of every layer kvpress compresses."""
+        return self.cache.kvpress_layers()
+
+
+@dataclass
+class Policy(HyperParameters):
+    """Base policy: keeps everything. Subclasses add hyper-parameters and hooks; roles.py the roles."""
+
+    name: ClassVar[str] = "none"
+    needs_budget: ClassVar[bool] = False
+    read_precision: ClassVar[int | None] = None  # a view that reads low-bit codes with fewer bits (quant4 draft)
+
+    def needs(self) -> Needs:
+        """What this policy needs from the forward (see Needs)."""
+        return Needs()
+
+    @property
+    def rewrites_keys(self) -> bool:
+        """Whether key_view returns other keys than the stored ones (attention then reads those): a role that
+        depends on a hyper-parameter (StreamingLLM's cache_local_positions), so a property, not a type (roles.py)."""
+        return False
+
+    def key_view(self, ctx: Context) -> torch.Tensor:
+        """The keys attention reads when rewrites_keys (otherwise never called)."""
+        return ctx.keys
+
+    def query_rows(self) -> int | None:
+        """How many of a prompt's last query rows on_prefill reads (0: none, None: all of them). A serving engine
+        that sees a long prompt in chunks keeps just these rows until the prompt's last chunk (observe sees
+        every chunk's rows as they pass)."""
+        return None
+
+    @property
+    def decode_change(self) -> str | None:
+        """What a decode step does to the cache besides appending its token, in words (None: nothing). Rolling
+        decode steps back (speculation, transformers' assisted decoding) is exact over plain appends only. Each
+        role that changes decode steps says how (roles.py)."""
+        return None
+
+    def appends_before_change(self, layer) -> int | None:
+        """Tokens `layer` can still append before a decode step of this policy changes it (None: never)."""
+        return None
+
+    def parts(self) -> list["Policy"]:
+        """The policies this one is made of (a composition's evictor and codec), or itself."""
+        return [self]
+
+    def check_chunking(self, chunk_size: int) -> None:
+        """Raise ValueError if prefill chunks of `chunk_size` tokens cannot serve this policy."""
+
+    def check_codec(self, codec: "Policy") -> None:
+        """Raise ValueError if this eviction policy cannot hand what it keeps to `codec` (low-bit storage)."""
+
+    def for_model(self, model: ModelInfo) -> "Policy":
+        """This policy checked against, and configured for, the model about to be patched: raise ValueError if it
+        cannot serve it, resolve model-specific resources. Called before the model is touched. Default: itself."""
+        return self
+
+    def observe(self, ctx: Context) -> None:
+        pass
+
+    def on_prefill(self, ctx: Context) -> None:
+        pass
+
+    def on_decode(self, ctx: Context) -> None:
+        pass
+
+    def on_extend(self, ctx: Context) -> None:
+        pass
+
+    def after_prefill(self, run: ModelPass) -> None:
+        pass
+
+    def describe(self) -> str:
+        fields = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self) if f.repr)
+        return f"{self.name}({fields})"

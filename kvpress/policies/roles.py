@@ -1,0 +1,59 @@
+"""Roles: what a policy is, declared as a type, so that every reader (composition, registry, the attention
+integration, speculative decoding, evals, serving) asks one question the same way: isinstance(part, Role).
+
+  Codec           stores what the cache keeps as low-bit codes (KIVI, GEAR); evicts nothing. Composes after one
+                  eviction policy (compose.py), which calls `store(layer)` once the evictor has decided.
+  ReadView        picks the slots each decode step reads (`select(ctx)`); evicts nothing (Quest, Retrieval, TopK,
+                  SinkWindow). Used alone, or as the draft view of self-speculative decoding.
+  DecodeEviction  may evict while decoding: on_decode compacts the layer (H2O, TOVA, StreamingLLM, DuoAttention).
+  key rewriting   `Policy.rewrites_keys` / `Policy.key_view`: attention reads rewritten keys. A property, not a
+                  type: it depends on a hyper-parameter (StreamingLLM's cache_local_positions).
+A composition (compose.Composed) has no role of its own: ask its parts (Policy.parts()). Every role that changes
+what a decode step does says so in `decode_change`, which rollbacks (speculation) read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .context import Context
+from .protocol import Policy
+
+
+@dataclass
+class Codec(Policy):
+    """A storage codec: keeps every token, and moves old ones into low-bit codes."""
+
+    def store(self, layer) -> None:
+        """Move what the codec's full-precision window no longer covers in `layer` into low-bit codes (what a
+        composition calls on the layers its evictor has cut)."""
+        raise NotImplementedError
+
+    @property
+    def decode_change(self) -> str:
+        return "moves old tokens into low-bit codes while decoding"
+
+
+@dataclass
+class ReadView(Policy):
+    """A read policy: nothing is evicted; at each decode step attention reads the slots select(ctx) picks."""
+
+    def select(self, ctx: Context) -> tuple[torch.Tensor, torch.Tensor]:
+        """(indices [B, Hkv, K], valid [B, Hkv, K]): the slots this step reads (ragged counts padded with invalid
+        entries); always including the slots of the current query tokens."""
+        raise NotImplementedError
+
+    @property
+    def decode_change(self) -> str:
+        return "reads a selection of the cache at every decode step"
+
+
+@dataclass
+class DecodeEviction(Policy):
+    """An eviction policy that also evicts while decoding (on_decode compacts the layer)."""
+
+    @property
+    def decode_change(self) -> str | None:
+        return "evicts tokens while decoding"
