@@ -18,7 +18,7 @@ def patch_model(model, policy: str | Policy | None = "none", prefill_chunk_size:
     `policy` is a name from `kvpress.list_policies()` or a Policy instance; `params` are its
     hyper-parameters (e.g. compression_ratio=0.75, or budget=512). `prefill_chunk_size` feeds long prompts
     in chunks and compresses after each one, so the cache never holds more than budget + one chunk (see
-    docs/architecture.md for how this differs from one-shot prefill). `question_tokens=N` declares the prompt's
+    docs/design-notes.md for how this differs from one-shot prefill). `question_tokens=N` declares the prompt's
     last N tokens the question: each earlier chunk is then judged with the question appended as observation
     queries (CItruS-style; their K/V are dropped after the chunk). A question asked later can be given per cache
     instead: `KVPressCache(config, question_ids=ids)`. Returns a Patch: use it as a context manager or call
