@@ -28,7 +28,7 @@ def test_seen_and_mask_sizes_follow_tokens_seen_not_stored():
     layer, _, _ = filled(length=10)
     assert layer.get_seq_length() == 10 and layer.get_mask_sizes(1) == (11, 0)
     layer.keep(torch.tensor([0, 3, 9]).expand(2, 3, 3))
-    assert layer.stored == 3 and layer.get_seq_length() == 10
+    assert layer.view_width == 3 and layer.get_seq_length() == 10
     assert layer.get_mask_sizes(1) == (4, 7)  # stored + q, seen - stored
     layer.update(torch.randn(2, 3, 1, 4), torch.randn(2, 3, 1, 4))
     assert layer.key_positions()[0, 0].tolist() == [0, 3, 9, 10]
@@ -71,12 +71,12 @@ def test_decode_appends_write_in_place_into_spare_room_counted_by_nbytes():
     for nk, nv in new[1:capacity - 11 + 1]:
         layer.update(nk, nv)
         assert layer.keys_view().untyped_storage().data_ptr() == buffer  # no copy of the layer per token
-    assert layer.stored == capacity
+    assert layer.view_width == capacity
     assert layer.kv_nbytes() == 2 * storage_of(layer.keys_view()) and layer.nbytes() == layer.kv_nbytes()
     layer.update(*new[capacity - 10])  # full: grows once, by a 16th (at least 64 slots)
     assert layer.keys_view().untyped_storage().data_ptr() != buffer
     want = torch.cat([k, *[nk for nk, _ in new[:capacity - 9]]], 2)
-    assert torch.equal(layer.keys_view(), want) and layer.stored == capacity + 1
+    assert torch.equal(layer.keys_view(), want) and layer.view_width == capacity + 1
     assert torch.equal(layer.values_view(), torch.cat([v, *[nv for _, nv in new[:capacity - 9]]], 2))
 
 
@@ -129,7 +129,7 @@ def test_crop_rolls_back_the_tail():
     assert ragged.seen == 7 and torch.equal(ragged.key_positions(), before)
     plain, _, _ = filled(length=6)
     plain.crop(4)  # legacy meaning: keep the first 4 seen
-    assert plain.seen == 4 and plain.stored == 4
+    assert plain.seen == 4 and plain.view_width == 4
 
 
 def test_reorder_cache_selects_rows():

@@ -457,7 +457,7 @@ def decoded(model, ids, steps, cache):
 
 
 def layer_state(cache):
-    return [(layer.seen, layer.stored, layer.quantized_len, layer.keys_view().clone(), layer.key_positions().clone())
+    return [(layer.seen, layer.view_width, layer.quantized_len, layer.keys_view().clone(), layer.key_positions().clone())
             for _, layer in cache.kvpress_layers()]
 
 

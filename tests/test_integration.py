@@ -74,7 +74,7 @@ def test_decode_over_compressed_cache_equals_dense_attention_on_kept_tokens(arch
         cache = KVPressCache(model.config)
         model(ids, past_key_values=cache, attention_mask=torch.ones_like(ids))
         kept = [(layer.keys_view().clone(), layer.values_view().clone()) for layer in cache.layers]
-        assert all(layer.stored == 20 and layer.is_compacted for layer in cache.layers)
+        assert all(layer.view_width == 20 and layer.explicit_positions for layer in cache.layers)
         # per-head kept sets really differ (otherwise this test would not exercise per-head storage)
         assert any(not torch.equal(l.key_positions()[0, 0], l.key_positions()[0, 1]) for l in cache.layers)
         logits = []
@@ -181,7 +181,7 @@ def test_explicit_cache_and_multi_turn_reuse_match_dynamic_cache():
         two_turns(cache)
         layer = cache.layers[0]
         # turn 1: 20 -> 10 kept, +4 decoded; turn 2 adds 1 + 7 prompt tokens and 4 decoded, nothing evicted
-        assert layer.seen == 20 + 4 + 8 + 4 and layer.stored == 10 + 4 + 8 + 4
+        assert layer.seen == 20 + 4 + 8 + 4 and layer.view_width == 10 + 4 + 8 + 4
 
 
 def test_cache_local_positions_rotation_matches_rope_at_new_position():
@@ -255,7 +255,7 @@ def test_a_cache_given_under_either_name_is_compressed(argument):
     with kvpress.patch_model(model, "snapkv", compression_ratio=0.5):
         cache = KVPressCache(model.config)
         model(ids, **{argument: cache})
-        assert all(layer.stored == 32 for layer in cache.layers)
+        assert all(layer.view_width == 32 for layer in cache.layers)
 
 
 def test_a_module_that_misses_its_cache_raises(monkeypatch):

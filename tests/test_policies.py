@@ -190,7 +190,7 @@ def test_budget_from_ratio_and_bytes_freed(qk, name, ratio):
     full_kv = before.kv_nbytes()
     layer = prefill(ALL[name](compression_ratio=ratio), q, k)
     n_keep = L - math.ceil(L * ratio)  # never a token over the ratio: 48 x 0.9 = 43.2 removes 44
-    assert layer.stored == n_keep and (layer.tokens_per_head() == n_keep).all()
+    assert layer.view_width == n_keep and (layer.tokens_per_head() == n_keep).all()
     assert layer.kv_nbytes() * L == full_kv * n_keep  # K/V bytes fall exactly by the ratio
     # nbytes() is the size of the allocations themselves (no view of a bigger buffer hides bytes)
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()

@@ -417,7 +417,7 @@ def test_nbytes_is_the_real_storage_and_residual_stays_bounded():
     def after(module, args, kwargs, output):
         for layer in _kivi_layers(given_cache(kwargs)):
             held = [t for segment in layer.segments for t in segment.tensors()]
-            record.append((layer.stored - layer.quantized_len, layer.nbytes(),
+            record.append((layer.view_width - layer.quantized_len, layer.nbytes(),
                            sum(t.untyped_storage().nbytes() for t in held), layer.quantized_len))
 
     with kvpress.patch_model(model, KIVI(bits=2, group_size=16, residual_length=32)):
@@ -454,7 +454,7 @@ def test_decode_over_evicted_and_quantized_cache_equals_dense_reference(arch):
         model(ids, past_key_values=cache)
         snapshot = []
         for layer in cache.layers:
-            assert layer.quantized_len == 32 and layer.stored == 60
+            assert layer.quantized_len == 32 and layer.view_width == 60
             kd, vd = layer.low_bit.data.dequantize(0, layer.quantized_len)
             snapshot.append((torch.cat([kd, layer.tail.data.keys], 2), torch.cat([vd, layer.tail.data.values], 2)))
         logits = model(nxt, past_key_values=cache).logits
@@ -472,7 +472,7 @@ def test_decode_time_eviction_over_a_quantized_cache_holds_the_budget():
         greedy(model, torch.randint(3, 128, (1, 64)), 100, past_key_values=cache)
     for layer in cache.layers:
         assert (layer.tokens_per_head() == 48).all() and layer.quantized_len > 0
-        assert layer.stored <= 48 + 16  # per-head fillers stay bounded
+        assert layer.view_width <= 48 + 16  # per-head fillers stay bounded
 
 
 # ---------------------------------------------------------------------------- real model

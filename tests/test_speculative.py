@@ -106,7 +106,7 @@ def test_rollback_leaves_the_cache_as_if_rejected_tokens_never_came():
         fresh = KVPressCache(model.config)
         model(torch.cat([prompt, x, drafts[:, :1]], 1), past_key_values=fresh)
     for a, b in zip(spec.layers, fresh.layers):
-        assert a.seen == b.seen == 42 and a.stored == b.stored == 42
+        assert a.seen == b.seen == 42 and a.view_width == b.view_width == 42
         assert torch.equal(a.key_positions(), b.key_positions())
         torch.testing.assert_close(a.keys_view(), b.keys_view(), atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(a.values_view(), b.values_view(), atol=1e-5, rtol=1e-5)

@@ -223,7 +223,7 @@ class KVPressCache(Cache):
                     continue
                 kept = layer.tokens_per_head()
                 rows.append(
-                    dict(layer=i, kind="kvpress", seen=layer.seen, stored=layer.stored,
+                    dict(layer=i, kind="kvpress", seen=layer.seen, stored=layer.view_width,
                          kept_min=int(kept.min()), kept_max=int(kept.max()),
                          kv_bytes=layer.kv_nbytes(), bytes=layer.nbytes())
                 )

@@ -50,9 +50,9 @@ def compact(layer, indices: torch.Tensor, keep_valid: torch.Tensor | None = None
         (segment, (idx, ok), offset), = full  # rectangular: the tail is the only full-precision segment
         kept.append(segment.keep(idx, ok, offset))
     layer.segments = kept
-    layer.compacted = True
+    layer.explicit_positions = True
     layer.sorted = True
-    layer.aux = {}
+    layer.derived = {}
 
 
 def _split(layer, indices: torch.Tensor, keep_valid: torch.Tensor | None):
@@ -128,8 +128,8 @@ def replace_newest(layer, victims: torch.Tensor) -> bool:
     layer.segments[-1] = Segment(tail.data.truncate(last).trim(1), moved(positions),
                                  None if tail.valid is None else moved(tail.valid),
                                  {name: moved(s) for name, s in tail.state.items()})
-    layer.compacted, layer.sorted = True, False
-    layer.aux = {}
+    layer.explicit_positions, layer.sorted = True, False
+    layer.derived = {}
     layer.mark_changed()
     return True
 
@@ -145,4 +145,4 @@ def to_rectangular(layer) -> None:
     views = (layer.keys_view(), layer.values_view(), layer.key_positions(), layer.key_valid(),
              {n: layer.get_state(n) for n in names})
     layer.segments = [Segment(FullPrecision(views[0], views[1]), views[2], views[3], views[4])]
-    layer.aux = {}
+    layer.derived = {}

@@ -27,7 +27,7 @@ def flush_low_bit(layer, residual: int, group: int, encode) -> None:
         # rectangular: the same number of slots in every head (fillers count as slots). Nothing to move here
         # means nothing for a flat flush either (a row's real tokens are at most its slots), so the alignment
         # check below runs once per group of new tokens, not at every decode step.
-        n = ((layer.stored - layer.quantized_len - residual) // group) * group
+        n = ((layer.view_width - layer.quantized_len - residual) // group) * group
         if n <= 0:
             return
     if layer.is_flat or (layer.low_bit is None and not _rows_align_to(layer, group)):
@@ -52,7 +52,7 @@ def flush_low_bit(layer, residual: int, group: int, encode) -> None:
                         _cat_valid(low_bit, moved), {name: torch.cat([low_bit.state[name], s], -1)
                                                       for name, s in moved.state.items()})
     layer.segments = [moved, rest]
-    layer.aux = {}
+    layer.derived = {}
     layer.mark_changed()
 
 
@@ -70,12 +70,12 @@ def _flush_flat(layer, residual: int, group: int, encode) -> None:
     # Most decode steps move nothing (a head flushes once per `group` tokens): after a count that finds nothing
     # to move, nothing is counted again until enough tokens have arrived for the fullest head to fill a group.
     key = ("no flat flush before", residual, group)
-    if key in layer.aux and layer.appended < layer.aux[key].appended:
+    if key in layer.derived and layer.appended < layer.derived[key].appended:
         return
     full_precision = sum(s.counts() for s in layer.segments if not s.low_bit)
     n_move = ((full_precision - residual).clamp(min=0) // group) * group  # [B, Hkv]
     if not bool((n_move > 0).any()):
-        layer.aux[key] = _NoFlushBefore(layer.appended + int((residual + group - full_precision).min()))
+        layer.derived[key] = _NoFlushBefore(layer.appended + int((residual + group - full_precision).min()))
         return
     if _flush_right_aligned_tail(layer, full_precision, n_move, encode):
         return
@@ -100,8 +100,8 @@ def _flush_flat(layer, residual: int, group: int, encode) -> None:
     else:  # heads of a row keep different counts (a ragged eviction): flat runs, no fillers
         kept = fp.keep(*_rank_select(keep), 0)
         layer.segments = [codes, kept, empty_tail(kept, layer.device)]
-    layer.compacted = True  # flat runs hold explicit positions, so the tail records its own from now on
-    layer.aux = {}
+    layer.explicit_positions = True  # flat runs hold explicit positions, so the tail records its own from now on
+    layer.derived = {}
     layer.mark_changed()
 
 
@@ -138,7 +138,7 @@ def _flush_right_aligned_tail(layer, counts: torch.Tensor, n_move: torch.Tensor,
         FullPrecision(tail.data.keys[:, :, stay].clone(), tail.data.values[:, :, stay].clone()),
         torch.where(valid, positions[..., stay], 0),
         None if bool(valid.all()) else valid, {n: s[..., stay].clone() for n, s in tail.state.items()})]
-    layer.aux = {}
+    layer.derived = {}
     layer.mark_changed()
     return True
 
@@ -157,7 +157,7 @@ def _cat_valid(a: Segment, b: Segment):
 
 @dataclass
 class _NoFlushBefore:
-    """Derived state (layer.aux) of a flat flush: no head can fill a group to move before `layer.appended`
+    """Derived state (layer.derived) of a flat flush: no head can fill a group to move before `layer.appended`
     reaches this. An append adds at most one token per head per token appended; every other change (eviction,
     rollback, forgetting observers) only removes tokens, or restructures the layer and drops aux."""
 

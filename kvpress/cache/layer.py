@@ -49,8 +49,8 @@ class KVPressLayer(CacheLayerMixin):
       seen           tokens seen so far (positions of new tokens derive from it, never from the slot count)
       appended       tokens ever appended (never steps back; bounds how far any head's count can have grown)
       last_q_len     tokens appended by the latest update (tells prefill / decode / extend apart)
-      stats          per-layer policy statistics, batch-first (e.g. ExpectedAttention's query moments)
-      aux            derived read-side state (e.g. per-page key statistics); dropped on compaction
+      policy_stats   per-layer policy statistics, batch-first (e.g. ExpectedAttention's query moments)
+      derived        read-side state derived from the storage (e.g. per-page key statistics); dropped on compaction
     """
 
     is_sliding = False
@@ -61,12 +61,16 @@ class KVPressLayer(CacheLayerMixin):
         # (CacheLayerMixin.__init__ would set keys/values attributes; this layer's storage is its segments)
         self.is_initialized = False
         self.segments: list[Segment] = []
-        self.compacted = False  # a token was evicted: every segment holds explicit positions
+        # slot j no longer holds position j (a token was evicted, or flat runs were made): every segment records
+        # its slots' positions, and attention needs a mask built from them
+        self.explicit_positions = False
         self.sorted = True  # every head's slots follow original position order (false after in-place eviction)
         self.row_budget: torch.Tensor | None = None
         self.decode_start = 0
-        self.aux: dict = {}
-        self.stats: dict[str, torch.Tensor] = {}  # per-layer policy statistics, batch-first [B, ...]
+        # state derived from the storage for reads (e.g. Quest's per-page key statistics); dropped whenever the
+        # storage is restructured, extended or cut back by its owner otherwise
+        self.derived: dict = {}
+        self.policy_stats: dict[str, torch.Tensor] = {}  # per-layer policy statistics, batch-first [B, ...]
         self.seen = 0
         self.appended = 0  # tokens ever appended (never steps back, unlike seen): bounds how much a head grew
         # tokens seen when the layer last changed other than by appending (an eviction, a low-bit flush, policy
@@ -86,7 +90,8 @@ class KVPressLayer(CacheLayerMixin):
     def checkpoint(self) -> dict:
         """This layer's state, to put back with restore(). Shares every tensor and keeps the tail's right to append
         in place: what is appended after the checkpoint is written past the slots the checkpoint covers."""
-        return {**self.__dict__, "segments": list(self.segments), "stats": dict(self.stats), "aux": {}}
+        return {**self.__dict__, "segments": list(self.segments), "policy_stats": dict(self.policy_stats),
+                "derived": {}}
 
     def restore(self, state: dict) -> None:
         self.__dict__.clear()
@@ -99,8 +104,8 @@ class KVPressLayer(CacheLayerMixin):
         out.__dict__.update(self.__dict__)
         self.segments = [s.detach() for s in self.segments]
         out.segments = list(self.segments)
-        out.stats = dict(self.stats)
-        out.aux = {}
+        out.policy_stats = dict(self.policy_stats)
+        out.derived = {}
         return out
 
     __copy__ = fork
@@ -123,7 +128,7 @@ class KVPressLayer(CacheLayerMixin):
         batch, heads, q_len, _ = key_states.shape
         tail = self.tail
         positions = tail.positions
-        if self.compacted:
+        if self.explicit_positions:
             new_pos = torch.arange(self.seen, self.seen + q_len, device=self.device, dtype=torch.int32)
             positions = torch.cat([positions, new_pos.expand(batch, heads, q_len)], -1)
         valid = tail.valid
@@ -151,7 +156,7 @@ class KVPressLayer(CacheLayerMixin):
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         # Same contract as transformers' sliding-window layer: stored slots + new tokens, offset by the gap.
-        return self.stored + query_length, self.seen - self.stored
+        return self.view_width + query_length, self.seen - self.view_width
 
     def get_max_length(self) -> int:
         return -1
@@ -216,8 +221,8 @@ class KVPressLayer(CacheLayerMixin):
             self.row_budget = fn(self.row_budget)
         if self.padding is not None:
             self.padding = fn(self.padding)
-        self.stats = {name: fn(t) for name, t in self.stats.items()}
-        self.aux = {}
+        self.policy_stats = {name: fn(t) for name, t in self.policy_stats.items()}
+        self.derived = {}
 
     # ------------------------------------------------------------------ storage shape
     @property
@@ -235,7 +240,7 @@ class KVPressLayer(CacheLayerMixin):
         return any(s.flat for s in self.segments)
 
     @property
-    def stored(self) -> int:
+    def view_width(self) -> int:
         """Width of the padded view: the longest flat run + every rectangular slot."""
         return sum(s.width for s in self.segments)
 
@@ -251,12 +256,7 @@ class KVPressLayer(CacheLayerMixin):
     def stock_readable(self) -> bool:
         """A model's own attention can read this layer: one full-precision rectangle whose slot j holds position j
         (nothing evicted, nothing low-bit, no flat runs)."""
-        return not self.compacted and len(self.segments) <= 1 and not (self.segments and self.tail.flat)
-
-    @property
-    def is_compacted(self) -> bool:
-        """True once any token was evicted: slot j no longer sits at position j."""
-        return self.compacted
+        return not self.explicit_positions and len(self.segments) <= 1 and not (self.segments and self.tail.flat)
 
     def offsets(self) -> list[int]:
         """Each segment's first slot in the padded view."""
@@ -273,7 +273,7 @@ class KVPressLayer(CacheLayerMixin):
 
     def tail_start(self) -> int:
         """The padded view's first slot of the tail (where appended tokens go)."""
-        return self.stored - self.tail.width
+        return self.view_width - self.tail.width
 
     # ------------------------------------------------------------------ the padded view and per-slot state (view.py)
     def key_positions(self, start: int = 0) -> torch.Tensor:

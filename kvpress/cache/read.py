@@ -187,7 +187,7 @@ def _attend(layer, read: Read, base) -> torch.Tensor:
                 for start in range(0, rows, MASK_ROWS)]
         return (outs[0] if len(outs) == 1 else torch.cat(outs, 2)).transpose(1, 2).contiguous()
     keys = layer.tail.data.keys if read.keys is None else read.keys
-    if not layer.compacted:
+    if not layer.explicit_positions:
         return base(queries.values, keys, layer.tail.data.values, None)
     if queries.reads_every_slot(layer.tail.valid):
         return base(queries.values, keys, layer.tail.data.values, UNMASKED)
@@ -210,7 +210,7 @@ def key_logits(layer, query: torch.Tensor, scaling: float, softcap: float | None
     keys of a low-precision model are converted once."""
     batch, hq, rows, dim = query.shape
     hkv = layer.num_kv_heads
-    upto = layer.stored if upto is None else upto
+    upto = layer.view_width if upto is None else upto
     # scaled on the query side: r x D multiplies instead of r x T (these logits are a policy's largest work)
     q = query.reshape(batch, hkv, hq // hkv, rows, dim).float() * scaling
     parts, offset = [], 0

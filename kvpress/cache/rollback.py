@@ -43,8 +43,8 @@ def crop(layer, tokens_to_remove: int) -> None:
         raise RuntimeError("crop: the tokens appended after the rollback floor are not the tail's last slots (a "
                            "change that did not call mark_changed); this is a kvpress bug")
     layer.segments[-1] = tail.truncate(tail.num_slots - n)
-    for derived in layer.aux.values():
-        derived.truncate(layer.stored)
+    for derived in layer.derived.values():
+        derived.truncate(layer.view_width)
     if layer.padding is not None:  # padding precedes a row's tokens: what was rolled back of it is forgotten too
         layer.padding = layer.padding.clamp(max=new_seen)
     layer.seen = new_seen
@@ -56,6 +56,6 @@ def appends_before_flush(layer, residual: int, group: int) -> int:
     if not layer.is_initialized:
         return residual + group - 1
     if not layer.is_flat:  # a rectangle flushes once its full-precision slots reach residual + group
-        return layer.quantized_len + residual + group - 1 - layer.stored
+        return layer.quantized_len + residual + group - 1 - layer.view_width
     full_precision = sum(s.counts() for s in layer.segments if not s.low_bit)  # per head
     return int((residual + group - 1 - full_precision).min())

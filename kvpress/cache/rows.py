@@ -26,7 +26,7 @@ def stack_rows(layers: list[KVPressLayer]) -> KVPressLayer:
     out.is_initialized, out.dtype, out.device = True, first.dtype, first.device
     out.seen, out.last_q_len = first.seen, first.last_q_len
     out.rollback_floor = max(l.rollback_floor for l in layers)
-    out.compacted = True
+    out.explicit_positions = True
     out.sorted = all(l.sorted for l in layers)
     names = sorted({n for l in layers for s in l.segments for n in s.state})
     if any(l.is_flat for l in layers):
@@ -39,8 +39,8 @@ def stack_rows(layers: list[KVPressLayer]) -> KVPressLayer:
         out.segments = [seg]
         out.segments.append(empty_tail(seg, first.device))
     else:
-        width = max(l.stored for l in layers)
-        pads = [width - l.stored for l in layers]
+        width = max(l.view_width for l in layers)
+        pads = [width - l.view_width for l in layers]
         pad = torch.nn.functional.pad
         keys = torch.cat([pad(l.keys_view(), (0, 0, p, 0)) for l, p in zip(layers, pads)])
         values = torch.cat([pad(l.values_view(), (0, 0, p, 0)) for l, p in zip(layers, pads)])
@@ -48,7 +48,7 @@ def stack_rows(layers: list[KVPressLayer]) -> KVPressLayer:
         valid = torch.cat([pad(l.key_valid(), (p, 0), value=False) for l, p in zip(layers, pads)])
         batch_heads = (1, first.num_kv_heads)
         state = {n: torch.cat([pad(l.get_state(n) if l.get_state(n) is not None else
-                                   torch.zeros(*batch_heads, l.stored, device=first.device), (p, 0))
+                                   torch.zeros(*batch_heads, l.view_width, device=first.device), (p, 0))
                                for l, p in zip(layers, pads)]) for n in names}
         out.segments = [Segment(FullPrecision(keys, values), positions, valid, state)]
     if all(l.row_budget is not None for l in layers):
@@ -57,8 +57,8 @@ def stack_rows(layers: list[KVPressLayer]) -> KVPressLayer:
         out.padding = torch.cat([l.padding if l.padding is not None else
                                  torch.zeros(l.key_positions().shape[0], dtype=torch.long, device=first.device)
                                  for l in layers])
-    out.stats = {name: torch.cat([l.stats[name] for l in layers]) for name in first.stats
-                 if all(name in l.stats for l in layers)}
+    out.policy_stats = {name: torch.cat([l.policy_stats[name] for l in layers]) for name in first.policy_stats
+                 if all(name in l.policy_stats for l in layers)}
     if len({l.decode_start for l in layers}) == 1:
         out.decode_start = first.decode_start
     return out

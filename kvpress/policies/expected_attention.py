@@ -61,7 +61,7 @@ class ExpectedAttention(ScorerPolicy):
         they are only read again to score generated tokens (decode_budget): without one, decode steps skip this."""
         if ctx.phase != "prefill" and self.decode_budget is None:
             return
-        layer, stats = ctx.layer, ctx.layer.stats
+        layer, stats = ctx.layer, ctx.layer.policy_stats
         q = ctx.pre_rope_query()  # [B, Hq, r, D] fp32
         batch, hq, rows, dim = q.shape
         real = layer.tail.view_valid(batch, layer.num_kv_heads, q.device)[:, 0, -rows:]  # [B, r] not padding
@@ -77,7 +77,7 @@ class ExpectedAttention(ScorerPolicy):
         layer.mark_changed()  # the statistics now hold these queries: a rollback cannot take them out
 
     def score(self, ctx: Context) -> torch.Tensor:
-        layer, stats = ctx.layer, ctx.layer.stats
+        layer, stats = ctx.layer, ctx.layer.policy_stats
         count = stats[_COUNT].clamp(min=1)[:, None, None]  # [B, 1, 1]
         mean = stats[_SUM] / count  # [B, Hq, D]
         # the average rotation over the next positions, as cos/sin means (RoPE is linear in cos and sin)

@@ -69,12 +69,12 @@ class ScorerPolicy(AllocatedBudgetPolicy):
     # ------------------------------------------------------------------ decode
     def on_decode(self, ctx: Context) -> None:
         layer = ctx.layer
-        stored = layer.stored
+        stored = layer.view_width
         if self.decode_budget is not None:
             self.compress_generated(ctx)
         elif isinstance(self, DecodeEviction) and (budget := self.cut_budget(layer)) is not None:
             self.compress(ctx, self.score(ctx), budget=budget)
-        if layer.stored < stored:
+        if layer.view_width < stored:
             self.room_for_slack(layer)
 
     def room_for_slack(self, layer) -> None:
@@ -90,7 +90,7 @@ class ScorerPolicy(AllocatedBudgetPolicy):
         more than budget + k real tokens, and no cut for the others (each row on its own schedule, as alone)."""
         if self.slack == 0:
             return layer.row_budget
-        if layer.stored <= int(layer.row_budget.min()) + self.slack:
+        if layer.view_width <= int(layer.row_budget.min()) + self.slack:
             return None  # no head holds more slots than that, real or not: no per-slot count needed
         held = layer.key_valid().sum(-1).amax(-1)  # [B] the fullest head of each row
         budget = layer.row_budget.to(held)

@@ -98,7 +98,7 @@ def evict_to_budget(layer, scores: torch.Tensor, budget: torch.Tensor, kept_firs
         valid = valid & (layer.key_positions() < layer.seen - observers)
     n_valid = valid.sum(-1)  # [B, Hkv]
     n_keep = torch.minimum(budget[:, None].to(n_valid), n_valid)
-    if bool((n_keep == n_valid).all()) and layer.stored == int(n_keep.max()):
+    if bool((n_keep == n_valid).all()) and layer.view_width == int(n_keep.max()):
         return  # within budget and already rectangular: nothing to free
     protected = None if kept_first is None else kept_first(n_keep)
     if allocation == "adaptive":  # one top-k over the layer's heads: every rank's (tensor parallelism)
@@ -160,7 +160,7 @@ def evict_after_prompt(run: ModelPass, scores: dict, allocation: str, head_floor
                                         [shards.gather(earlier[i]) for i, _ in layers], total)
     counts, priorities = [shards.local(c) for c in counts], [shards.local(p) for p in priorities]
     for (i, layer), n_keep, priority in zip(layers, counts, priorities):
-        if bool((n_keep == valid[i].sum(-1)).all()) and layer.stored == int(n_keep.max()):
+        if bool((n_keep == valid[i].sum(-1)).all()) and layer.view_width == int(n_keep.max()):
             continue
         layer.keep(*select_kept(priority, valid[i], n_keep))
 

@@ -4,7 +4,7 @@ A read policy implements `select(ctx) -> (indices [B, Hkv, K], valid [B, Hkv, K]
 counts padded with invalid entries). Used on its own (`patch_model(model, "quest", budget=512)`: decode and
 verification steps read the selection) and as the cheap view that drafts in self-speculative decoding.
 Selections always include the slots of the current query tokens. Per-page key statistics live in the
-cache layer (`layer.aux`), extended as tokens arrive and cut back on rollback.
+cache layer (`layer.derived`), extended as tokens arrive and cut back on rollback.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ class PageStats:
 
     def update(self, layer) -> "PageStats":
         P = self.page_size
-        total = layer.stored
+        total = layer.view_width
         n_pages = (total + P - 1) // P
         start = self.complete * P
         if self.offset is None:
@@ -86,9 +86,9 @@ class PageStats:
 
 
 def page_stats(layer, page_size: int) -> PageStats:
-    stats = layer.aux.get(("pages", page_size))
+    stats = layer.derived.get(("pages", page_size))
     if stats is None:
-        stats = layer.aux[("pages", page_size)] = PageStats(page_size, leading_fillers(layer))
+        stats = layer.derived[("pages", page_size)] = PageStats(page_size, leading_fillers(layer))
     return stats.update(layer)
 
 
@@ -139,11 +139,11 @@ class Quest(ReadPolicy):
         q = _query_rows(ctx)  # [B, Hkv, M, D]
         bound = torch.maximum(q[:, :, :, None] * stats.kmax[:, :, None], q[:, :, :, None] * stats.kmin[:, :, None])
         score = bound.nan_to_num(neginf=-1e30).sum(-1).amax(2)  # [B, Hkv, n_pages]
-        score = _from_page(score, stats.first_page(ctx.layer.stored - ctx.q_len))  # the current page(s)
+        score = _from_page(score, stats.first_page(ctx.layer.view_width - ctx.q_len))  # the current page(s)
         score = score.masked_fill(~stats.filled, float("-inf"))
         n = min(score.shape[-1], max(1, self.budget // self.page_size))
         pages = score.topk(n, dim=-1).indices.sort(-1).values
-        return stats.slots(pages, ctx.layer.stored)
+        return stats.slots(pages, ctx.layer.view_width)
 
 
 @register
@@ -170,11 +170,11 @@ class Retrieval(ReadPolicy):
         stats = page_stats(ctx.layer, c)
         score = torch.einsum("bhmd,bhnd->bhmn", _query_rows(ctx), stats.kmean).amax(2)  # [B, Hkv, n_chunks]
         score[..., 0] = float("inf")
-        score = _from_page(score, stats.first_page(max(0, ctx.layer.stored - max(self.recent, ctx.q_len))))
+        score = _from_page(score, stats.first_page(max(0, ctx.layer.view_width - max(self.recent, ctx.q_len))))
         score = score.masked_fill(~stats.filled, float("-inf"))
         n = min(score.shape[-1], max(1, self.budget // c))
         chunks = score.topk(n, dim=-1).indices.sort(-1).values
-        return stats.slots(chunks, ctx.layer.stored)
+        return stats.slots(chunks, ctx.layer.view_width)
 
 
 @register
@@ -188,7 +188,7 @@ class TopK(ReadPolicy):
     def select(self, ctx: Context):
         logits = ctx.key_logits(ctx.query)  # [B, Hkv, g, r, T]
         score = logits.amax(2).amax(2).masked_fill(~ctx.layer.key_valid(), float("-inf"))
-        score[..., ctx.layer.stored - ctx.q_len:] = float("inf")
+        score[..., ctx.layer.view_width - ctx.q_len:] = float("inf")
         n = min(score.shape[-1], self.budget)
         idx = score.topk(n, dim=-1).indices.sort(-1).values
         return idx, torch.ones_like(idx, dtype=torch.bool)
@@ -212,7 +212,7 @@ class SinkWindow(ReadPolicy):
                              f"allowed values: budget > n_sink")
 
     def select(self, ctx: Context):
-        total = ctx.layer.stored
+        total = ctx.layer.view_width
         window = max(self.budget - self.n_sink, ctx.q_len)
         shape, device = ctx.keys.shape[:2], ctx.keys.device
         sinks = torch.arange(self.n_sink, device=device).expand(*shape, -1)

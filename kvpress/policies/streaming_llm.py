@@ -108,7 +108,7 @@ class StreamingLLM(ScorerPolicy, DecodeEviction):
         return self.cache_local_positions
 
     def key_view(self, ctx: Context) -> torch.Tensor:
-        if not self.cache_local_positions or not ctx.layer.is_compacted:
+        if not self.cache_local_positions or not ctx.layer.explicit_positions:
             return ctx.keys
         # Slot of rank r among a row's n real slots moves to position (newest position) - (n - 1 - r).
         valid = ctx.layer.key_valid()
