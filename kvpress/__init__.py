@@ -5,10 +5,12 @@ from .cache import KVPressCache, KVPressLayer
 from .integrations import Patch, last_cache_stats, patch_model, unpatch
 from .policies import list_policies
 from . import speculative
+from .compressed import Answers, CompressedContext, ask, compress, load
 from .speculative import speculative_generate
+from .version import __version__
 
-__version__ = "0.1.0"
 __all__ = [
     "KVPressCache", "KVPressLayer", "Patch", "patch_model", "unpatch", "last_cache_stats", "list_policies",
-    "policies", "speculative", "speculative_generate",
+    "policies", "speculative", "speculative_generate", "compress", "ask", "load", "CompressedContext", "Answers",
+    "__version__",
 ]

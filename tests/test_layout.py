@@ -16,11 +16,12 @@ OPTIONAL = ("triton", "vllm")  # third-party packages kvpress runs without
 # (path prefix, floor): the longest matching prefix decides
 FLOORS = [
     ("kvpress/formats/", 1), ("kvpress/positions.py", 1), ("kvpress/heads.py", 1), ("kvpress/needle.py", 1),
+    ("kvpress/questions.py", 1), ("kvpress/version.py", 1),
     ("kvpress/kernels/", 2), ("kvpress/models.py", 2),
     ("kvpress/cache/", 3),
     ("kvpress/policies/", 4),
     ("kvpress/integrations/", 5), ("kvpress/arguments.py", 5),
-    ("kvpress/", 6),  # calibration fitting and its CLI, speculative/, the demo, the package's face
+    ("kvpress/", 6),  # calibration fitting and its CLI, speculative/, compressed.py, the demo, the package's face
 ]
 
 

@@ -19,7 +19,7 @@ from ..cache import KVPressCache
 from ..heads import SINGLE, HeadShards
 from ..policies.base import ModelPass
 from .checks import check_forward
-from .hf import config_heads, given_cache, with_cache
+from .hf import config_heads, given_cache, renamed_for, with_cache
 
 
 @dataclass
@@ -56,9 +56,12 @@ class ForwardHooks:
     def _enter(self, module, args, kwargs):
         if self._inner(module):
             return
+        renamed = renamed_for(module, kwargs) if module is self.patch.model else None
+        kwargs = renamed or kwargs
         cache = given_cache(kwargs)
         self.patch.enter_call(cache)
         self.patch.live.forwards.append(ForwardInFlight(cache, module))
+        return None if renamed is None else (args, renamed)
 
     def _check(self, module, args, kwargs):
         if self._inner(module):

@@ -8,7 +8,7 @@ import functools
 
 from ..cache import KVPressCache
 from .checks import check_generate
-from .hf import cache_argument, cache_summary, given_cache
+from .hf import cache_argument, cache_summary, given_cache, renamed_for
 from .registry import record_stats
 
 
@@ -18,6 +18,7 @@ def wrap_generate(patch, generate):
 
     @functools.wraps(generate)
     def kvpress_generate(*args, **kwargs):
+        kwargs = renamed_for(model, kwargs) or kwargs
         check_generate(patch, model, kwargs)
         if given_cache(kwargs) is None and kwargs.get("use_cache", True):
             kwargs[cache_argument(model)] = KVPressCache(model.config)

@@ -41,6 +41,19 @@ def cache_argument(model) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
+def renamed_for(model, kwargs: dict) -> dict | None:
+    """`kwargs` with a cache given as `cache=` moved to `past_key_values=` when `model`'s forward predates the rename
+    (its **kwargs would swallow `cache` and run uncached); None when nothing needs to change. So the current name
+    works on every transformers kvpress allows."""
+    if kwargs.get("cache") is None or cache_argument(model) == "cache":
+        return None
+    if kwargs.get("past_key_values") is not None:
+        raise ValueError("cache= and past_key_values= both given; allowed: one of them (the same argument, renamed)")
+    out = {k: v for k, v in kwargs.items() if k != "cache"}
+    out["past_key_values"] = kwargs["cache"]
+    return out
+
+
 def with_cache(model, cache, **kwargs) -> dict:
     """Forward arguments `kwargs` plus `cache` under the name `model` takes it."""
     return {**kwargs, cache_argument(model): cache}

@@ -1,0 +1,329 @@
+"""Compress a context once, ask it many questions, keep it in a file: `kvpress.compress`, `kvpress.ask`,
+`kvpress.load`.
+
+A `CompressedContext` is a context's compressed cache, the model it belongs to, the policy that compressed it
+(recorded as names and plain hyper-parameters, so it can be written down) and how questions follow it
+(questions.py). Asking forks the cache (its tensors are shared, it never changes) and extends the fork with the
+questions, left-padded to one batch, under the same policy; the answers are what asking each alone gives.
+
+The file is safetensors: tensors and a JSON header, nothing executed on load. The header holds a format name and
+version, the kvpress version, the model's identity (architecture shape and a fingerprint of every weight tensor),
+the cache's dtype, the policy, the question format, the tokenizer's fingerprint and a checksum of the tensors'
+bytes: a file for another model, another tokenizer, or with damaged bytes is refused, saying why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open  # transformers' own dependency
+from safetensors.torch import save_file
+
+from .cache import KVPressCache, KVPressLayer
+from .cache import saving
+from .formats.calibration import model_identity
+from .integrations import patch_model
+from .integrations.hf import with_cache
+from .policies.registry import get_policy_class, resolve_policy
+from .questions import QuestionFormat, left_padded, split_prompt
+from .version import __version__
+
+FILE_FORMAT = "kvpress compressed context"
+FILE_VERSION = 1
+_TOKENIZER_PROBE = "kvpress tokenizer probe: The quick brown fox, 0123456789.\n\u00e9\u4e2d"
+
+
+class TokenClock:
+    """A generate() streamer that timestamps each put(): the first is the prompt, then one per generated step."""
+
+    def __init__(self):
+        self.stamps: list[float] = []
+
+    def put(self, value):
+        self.stamps.append(time.perf_counter())
+
+    def end(self):
+        pass
+
+
+@dataclass
+class Answers:
+    """What `ask` returns: the answers, and what they cost."""
+
+    questions: list[str]
+    answers: list[str]
+    token_ids: list[list[int]]  # each answer's generated ids, up to (without) its stop token
+    context_tokens: int
+    context_bytes: int  # bytes the compressed context holds (every stored tensor)
+    full_cache_bytes: int  # bytes the same context holds in the full cache
+    kept_fraction: float  # context tokens kept, averaged over compressed layers and KV heads
+    question_s: float  # the questions' forward over the compressed context, up to each first answer token
+    decode_s: float  # the decoding steps after the first token (all questions at once, batch_size at a time)
+    decode_steps: int
+    batches: int  # generate calls the questions took
+    compress_s: float | None = None  # set by kvpress.ask (compress + ask in one call)
+
+    @property
+    def bytes_fraction(self) -> float:
+        return self.context_bytes / self.full_cache_bytes
+
+    def __iter__(self):
+        return iter(self.answers)
+
+    def __len__(self):
+        return len(self.answers)
+
+    def __getitem__(self, i):
+        return self.answers[i]
+
+
+def policy_spec(policy) -> list[dict]:
+    """A resolved policy as [{"name", "params"}] per part: every hyper-parameter a JSON file can hold. Refused when
+    a part holds another object (other than a tokenizer, which is given again when the context is asked)."""
+    spec = []
+    for part in policy.parts():
+        params = {}
+        for f in dataclasses.fields(part):
+            value = getattr(part, f.name)
+            if isinstance(value, (bool, int, float, str, type(None))):
+                params[f.name] = value
+            elif f.name != "tokenizer" and value != f.default:
+                raise ValueError(f"policy {part.name!r}: {f.name}={type(value).__name__}(...) cannot be recorded; allowed: "
+                                 f"hyper-parameters given as numbers or strings (a calibration as its file path)")
+        spec.append(dict(name=part.name, params=params))
+    return spec
+
+
+def policy_from_spec(spec: list[dict], tokenizer=None):
+    """The policy a spec records (a fresh instance: a policy serves one patch at a time)."""
+    parts = []
+    for entry in spec:
+        cls = get_policy_class(entry["name"])
+        params = dict(entry["params"])
+        if tokenizer is not None and "tokenizer" in {f.name for f in dataclasses.fields(cls)}:
+            params["tokenizer"] = tokenizer
+        parts.append(cls(**params))
+    return resolve_policy(parts if len(parts) > 1 else parts[0])
+
+
+def weights_fingerprint(model) -> str:
+    """A digest of every parameter's name, shape and first elements (bf16): any fine-tune changes it."""
+    digest = hashlib.sha256()
+    for name, p in model.named_parameters():
+        head = p.detach().flatten()[:64].to("cpu", torch.bfloat16).contiguous()
+        digest.update(f"{name}{tuple(p.shape)}".encode())
+        digest.update(head.view(torch.int16).numpy().tobytes())
+    return digest.hexdigest()[:32]
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    text = json.dumps([list(tokenizer.encode(_TOKENIZER_PROBE, add_special_tokens=True)),
+                       getattr(tokenizer, "chat_template", None) or ""])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _identity(model) -> dict:
+    return dict(model_identity(model), parameters=weights_fingerprint(model))
+
+
+class CompressedContext:
+    """A context compressed once (see the module docstring). `cache` is never run: `fork()` gives a runnable copy."""
+
+    def __init__(self, model, cache: KVPressCache, context_ids: torch.Tensor, policy: list[dict],
+                 question_format: QuestionFormat, tokenizer_id: str, compress_s: float | None = None):
+        self.model, self.cache, self.context_ids = model, cache, context_ids
+        self.policy, self.question_format, self.tokenizer_id = policy, question_format, tokenizer_id
+        self.compress_s = compress_s
+
+    # -- what it holds
+    @property
+    def context_tokens(self) -> int:
+        return self.context_ids.shape[1]
+
+    def nbytes(self) -> int:
+        return self.cache.nbytes()
+
+    def full_cache_nbytes(self) -> int:
+        """What the full cache of this context holds: every compressed layer at all its tokens, in its dtype."""
+        total = 0
+        for layer in self.cache.layers:
+            if isinstance(layer, KVPressLayer) and layer.is_initialized:
+                keys, values = layer.tail.data.keys, layer.tail.data.values
+                per_token = keys.shape[1] * (keys.shape[-1] * keys.element_size() + values.shape[-1] * values.element_size())
+                total += layer.seen * keys.shape[0] * per_token
+            elif getattr(layer, "is_initialized", False):
+                total += sum(t.numel() * t.element_size() for t in (layer.keys, layer.values))
+        return total
+
+    def kept_fraction(self) -> float:
+        kept = seen = 0
+        for _, layer in self.cache.kvpress_layers():
+            if layer.is_initialized:
+                counts = layer.tokens_per_head()
+                kept += int(counts.sum())
+                seen += layer.seen * counts.numel()
+        return kept / seen if seen else 1.0
+
+    def fork(self) -> KVPressCache:
+        return self.cache.fork()
+
+    def make_policy(self, tokenizer=None):
+        return policy_from_spec(self.policy, tokenizer)
+
+    # -- asking
+    def ask(self, tokenizer, questions, max_new_tokens: int = 64, batch_size: int | None = None) -> Answers:
+        """Greedy answers to `questions` (a string or a list), `batch_size` at a time (None: all at once; one at a
+        time on models with sliding-window layers). Each answer is what asking that question alone gives."""
+        questions = [questions] if isinstance(questions, str) else questions
+        if not isinstance(questions, (list, tuple)) or not questions:
+            raise ValueError(f"questions={questions!r:.80}; allowed values: a non-empty string or list of strings")
+        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={max_new_tokens!r}; allowed values: an int >= 1")
+        if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
+            raise ValueError(f"batch_size={batch_size!r}; allowed values: None (all questions at once) or an int >= 1")
+        if tokenizer_fingerprint(tokenizer) != self.tokenizer_id:
+            raise ValueError("tokenizer: not the tokenizer this context was compressed with (its ids or chat template "
+                             "differ); allowed: the same tokenizer")
+        ids = [self.question_format.ids(tokenizer, q) for q in questions]  # every question checked first
+        stop = _stop_ids(self.model, tokenizer)
+        pad = tokenizer.pad_token_id if getattr(tokenizer, "pad_token_id", None) is not None else min(stop, default=0)
+        step = batch_size or len(ids)
+        if any(not isinstance(layer, KVPressLayer) for layer in self.cache.layers):
+            # a stock sliding-window layer (Gemma-3) windows by slot, so a question's left padding would take places
+            # in its window: such models answer one question at a time, which is what asking alone means
+            step = 1
+        tokens, question_s, decode_s, steps, batches = [], 0.0, 0.0, 0, 0
+        for start in range(0, len(ids), step):
+            batches += 1
+            batch_tokens, times = self._generate(ids[start:start + step], max_new_tokens, stop, pad, tokenizer)
+            tokens += batch_tokens
+            question_s, decode_s, steps = question_s + times[0], decode_s + times[1], steps + times[2]
+        answers = [tokenizer.decode(t, skip_special_tokens=True).strip() for t in tokens]
+        return Answers(list(questions), answers, tokens, self.context_tokens, self.nbytes(), self.full_cache_nbytes(),
+                       self.kept_fraction(), question_s, decode_s, steps, batches)
+
+    @torch.no_grad()
+    def _generate(self, questions: list[list[int]], max_new_tokens: int, stop: set, pad: int, tokenizer):
+        model = self.model
+        ids, mask = left_padded(self.context_ids, questions, pad)
+        device = _device(model)
+        cache = self.cache.fork()
+        cache.batch_repeat_interleave(len(questions))
+        clock = TokenClock()
+        with patch_model(model, self.make_policy(tokenizer)):
+            start = time.perf_counter()
+            out = model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
+                                 do_sample=False, temperature=None, top_p=None, top_k=None, pad_token_id=pad,
+                                 eos_token_id=sorted(stop) or None, streamer=clock, **with_cache(model, cache))
+        new = out[:, ids.shape[1]:].tolist()
+        tokens = []
+        for row in new:
+            cut = next((i for i, t in enumerate(row) if t in stop), len(row))
+            tokens.append(row[:cut])
+        first = clock.stamps[1] if len(clock.stamps) > 1 else time.perf_counter()
+        return tokens, (first - start, clock.stamps[-1] - first, max(len(clock.stamps) - 2, 0))
+
+    # -- keeping
+    def save(self, path) -> Path:
+        """Write this context to `path` (safetensors; see the module docstring). Returns the path."""
+        tensors, cache_meta = saving.to_tensors(self.cache)
+        tensors["context_ids"] = self.context_ids.to("cpu").contiguous().clone()
+        header = dict(format=FILE_FORMAT, version=FILE_VERSION, kvpress=__version__, model=_identity(self.model),
+                      dtype=str(_dtype(self.model)).removeprefix("torch."), policy=self.policy,
+                      question_format=self.question_format.to_dict(), tokenizer=self.tokenizer_id,
+                      compress_s=self.compress_s, cache=cache_meta, checksum=_checksum(tensors))
+        path = Path(path)
+        save_file(tensors, str(path), metadata={"kvpress": json.dumps(header)})
+        return path
+
+
+def compress(model, tokenizer, context: str, policy="kvzap", *, chat_template: bool | None = None,
+             prefill_chunk_size: int | None = None, **params) -> CompressedContext:
+    """Compress `context` once with `policy` (a name, composition or Policy; `params` its hyper-parameters, e.g.
+    compression_ratio=0.75, bits=4). Questions asked later never reach the compressor: pick a query-agnostic policy
+    (kvzap, kvzip, keydiff, expected_attention, or one of them + kivi)."""
+    spec = policy_spec(resolve_policy(policy, **params))
+    context_ids, fmt = split_prompt(tokenizer, context, chat_template)
+    cache = KVPressCache(model.config)
+    with patch_model(model, policy_from_spec(spec, tokenizer), prefill_chunk_size=prefill_chunk_size):
+        start = time.perf_counter()
+        with torch.no_grad():
+            ids = context_ids.to(_device(model))
+            model(**with_cache(model, cache, input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True,
+                               logits_to_keep=1))
+        elapsed = time.perf_counter() - start
+    return CompressedContext(model, cache, context_ids, spec, fmt, tokenizer_fingerprint(tokenizer), elapsed)
+
+
+def ask(model, tokenizer, context: str, questions, policy="kvzap", *, max_new_tokens: int = 64,
+        batch_size: int | None = None, chat_template: bool | None = None, **params) -> Answers:
+    """compress(model, tokenizer, context, policy, **params).ask(tokenizer, questions, max_new_tokens)."""
+    compressed = compress(model, tokenizer, context, policy, chat_template=chat_template, **params)
+    answers = compressed.ask(tokenizer, questions, max_new_tokens=max_new_tokens, batch_size=batch_size)
+    answers.compress_s = compressed.compress_s
+    return answers
+
+
+def load(path, model) -> CompressedContext:
+    """The context `save` wrote to `path`, for `model`: refused (ValueError, saying why) when the file is not a
+    kvpress context, is damaged, or was made by another model or in another dtype."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"path={str(path)!r}: no such file")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            header = json.loads((f.metadata() or {})["kvpress"])
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+    except Exception as e:  # safetensors' header errors, a missing key, bad JSON: one message
+        raise ValueError(f"{path}: not a readable kvpress context file ({type(e).__name__}: {e})") from None
+    if header.get("format") != FILE_FORMAT or header.get("version") != FILE_VERSION:
+        raise ValueError(f"{path}: format {header.get('format')!r} version {header.get('version')!r}; this kvpress "
+                         f"reads {FILE_FORMAT!r} version {FILE_VERSION}")
+    if _checksum(tensors) != header.get("checksum"):
+        raise ValueError(f"{path}: damaged (its tensors' bytes do not match the checksum written with them)")
+    mine = _identity(model)
+    differ = [f"{k}: file {header['model'].get(k)!r}, model {v!r}" for k, v in mine.items() if header["model"].get(k) != v]
+    if differ:
+        raise ValueError(f"{path} was compressed with another model ({'; '.join(differ)}); allowed: the model it "
+                         f"was made with")
+    dtype = str(_dtype(model)).removeprefix("torch.")
+    if header["dtype"] != dtype:
+        raise ValueError(f"{path} holds a {header['dtype']} cache; the model runs in {dtype}; allowed: the model in "
+                         f"{header['dtype']} (model.to(torch.{header['dtype']}))")
+    try:
+        cache = saving.from_tensors(tensors, header["cache"], model.config, device=_device(model))
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path}: its cache cannot be rebuilt ({type(e).__name__}: {e})") from None
+    return CompressedContext(model, cache, tensors["context_ids"], header["policy"],
+                             QuestionFormat(**header["question_format"]), header["tokenizer"], header["compress_s"])
+
+
+def _checksum(tensors: dict) -> str:
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].contiguous()
+        digest.update(f"{name}{t.dtype}{tuple(t.shape)}".encode())
+        digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return digest.hexdigest()
+
+
+def _stop_ids(model, tokenizer) -> set[int]:
+    ids = model.generation_config.eos_token_id
+    ids = set(ids if isinstance(ids, (list, tuple)) else [ids] if ids is not None else [])
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+def _device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _dtype(model) -> torch.dtype:
+    return next(model.parameters()).dtype
