@@ -8,6 +8,8 @@ are forgotten.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..cache import KVPressCache
@@ -21,6 +23,7 @@ def wrap_forward(forward, chunk: int, question_tokens: int | None, output: str, 
     counts the call as running on the patched model (what unpatch waits for)."""
     keeps_logits = output == "logits"
 
+    @functools.wraps(forward)  # keeps the forward's signature: what the cache argument's name is read from (hf.py)
     def chunked_prefill_forward(*args, **kwargs):
         if len(args) == 1 and "input_ids" not in kwargs:
             kwargs["input_ids"], args = args[0], ()
