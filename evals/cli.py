@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="samples per subtask and length (needle: per depth); under torchrun write --samples, "
                         "as torchrun's own parser claims --n")
     p.add_argument("--out", required=True, help="output folder")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the generated samples (ruler, needle)")
     p.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="needle depths in [0, 1]")
     p.add_argument("--questions", type=int, default=1,
                    help="questions per sample over one context (ruler qa / niah_multikey_*)")
@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's own choice)")
     p.add_argument("--summarize", action="store_true", help="only rebuild the summary and plots from --out")
     p.add_argument("--no-plots", action="store_true", help="write the summary without plots (no matplotlib needed)")
+    p.add_argument("--decode-alone", action="store_true",
+                   help="decode each config in a batch of its own, so its decode time is its own (slower); by "
+                        "default configs share batches and each row's decode_s is its batch's (column `batch`)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -121,16 +124,23 @@ def resolve_model(model: str) -> Path:
     return arguments.model_folder("--model", model)
 
 
+def _importable(name: str) -> bool:
+    try:
+        importlib.import_module(name)
+        return True
+    except ImportError:
+        return False
+
+
 def check_outputs(args) -> None:
     """Where the run writes, and what it needs to write it, before any work: the plots come last, after every
     sample was evaluated."""
     arguments.writable_folder("--out", args.out)
-    if not args.no_plots:
-        try:
-            importlib.import_module("matplotlib")
-        except ImportError:
-            raise ValueError("matplotlib is not installed: the plots (the run's last step) could not be drawn; "
-                             "allowed: pip install 'kvpress[eval]' (or matplotlib), or --no-plots") from None
+    if not args.no_plots and not _importable("matplotlib"):
+        # plots are optional: the results and summary do not need them
+        sys.stderr.write("kvpress-eval: matplotlib is not installed, so no plots (the summary is written without them;"
+                         " pip install matplotlib for them, or pass --no-plots to silence this)\n")
+        args.no_plots = True
 
 
 def model_context(path: Path) -> int:
@@ -385,7 +395,7 @@ def _run_transformers(plan: Plan, args, tokenizer, items: list, done: set, resul
                 if missing:
                     if model is None:  # only when there is work: a finished run resumes without loading it
                         model = load_model(plan.model_path, device, args.dtype, args.tensor_parallel)
-                    _write(sink, plan, evaluate(model, tokenizer, sample, missing, mode), length)
+                    _write(sink, plan, evaluate(model, tokenizer, sample, missing, mode, args.decode_alone), length)
                     counts["evaluated"] += 1
                 else:
                     counts["skipped"] += 1

@@ -270,11 +270,14 @@ class Rows(Policy):
         evict_to_budget(layer, scores, layer.row_budget, kept_first)
 
 
-def decode_batches(pre: Prefill, configs: list[Config]) -> list[tuple[list[Config], Policy]]:
+def decode_batches(pre: Prefill, configs: list[Config], alone: bool = False) -> list[tuple[list[Config], Policy]]:
     """How to decode: (configs stacked as rows, the policy to patch with). Prefill-only policies share one batch
     under "none" (their hooks are no-ops after prefill); decode-time evictors share one batch under Rows;
-    anything else (low-bit storage, custom hooks) decodes alone under its own policy."""
+    anything else (low-bit storage, custom hooks) decodes alone under its own policy. `alone`: every config in a
+    batch of its own (its decode time is then its own, comparable across configs)."""
     made = {c: c.make() for c in configs}
+    if alone:
+        return [([c], made[c]) for c in configs]
     passive, passive_flat, shared, extra, alone = [], [], [], {}, []
     shared_keys = {}  # policy class -> the parameter set that rides in the shared Rows batch
     for c in configs:

@@ -49,7 +49,9 @@ def summarize(rows: list[dict]) -> list[dict]:
                         cache_bytes=round(_mean([r.get("cache_bytes", r["kv_bytes"]) for r in rs])),
                         prefill_s=round(_mean([r["prefill_s"] for r in rs]), 3),
                         decode_s=round(_mean([r["decode_s"] for r in rs]), 3),
-                        new_tokens=round(_mean([r["new_tokens"] for r in rs]), 1)))
+                        new_tokens=round(_mean([r["new_tokens"] for r in rs]), 1),
+                        # configs that shared each decode batch (and so its decode_s); 1: timed alone
+                        decode_batch=max(r.get("batch", 1) for r in rs)))
     return out
 
 
@@ -66,20 +68,36 @@ def markdown(summary: list[dict]) -> str:
             cells = [s for s in summary if s["mode"] == mode and s["length"] == length]
             tasks = sorted({s["task"] for s in cells})
             configs = sorted({(s["policy"], s["ratio"]) for s in cells}, key=lambda c: (c[0] != "none", c))
-            full = {s["task"]: s["kv_bytes"] for s in cells if s["policy"] == "none"}
-            parts.append(f"**{mode}, {length} tokens** (score x100; n = samples per cell)\n")
-            parts.append("| policy | ratio | " + " | ".join(tasks) + " | average | KV kept |")
+            full = {s["task"]: s["cache_bytes"] for s in cells if s["policy"] == "none"}
+            parts.append(f"**{mode}, {length} tokens** (score x100; n = samples per cell; bytes held: the cache's "
+                         f"bytes after prefill, positions included, of the full cache's, as in Accuracy per byte)\n")
+            parts.append("| policy | ratio | " + " | ".join(tasks) + " | average | bytes held |")
             parts.append("|---|---|" + "---|" * (len(tasks) + 2))
             for policy, ratio in configs:
                 by_task = {s["task"]: s for s in cells if (s["policy"], s["ratio"]) == (policy, ratio)}
                 scores = [by_task[t]["score"] if t in by_task else float("nan") for t in tasks]
-                kept = [by_task[t]["kv_bytes"] / full[t] for t in tasks if t in by_task and full.get(t)]
+                kept = [by_task[t]["cache_bytes"] / full[t] for t in tasks if t in by_task and full.get(t)]
                 shown = ["" if math.isnan(x) else f"{x:.1f}" for x in scores]
                 parts.append(f"| {policy} | {ratio:.2f} | " + " | ".join(shown) + f" | {_mean(scores):.1f} | "
-                             + (f"{_mean(kept):.0%}" if kept else "") + " |")
+                             + (f"{_mean(kept):.1%}" if kept else "") + " |")
             n = sorted({s["n"] for s in cells})
             parts.append(f"\nn = {n[0] if len(n) == 1 else n}\n")
+            parts.append(_speed_markdown(cells, configs))
     return "\n".join(parts)
+
+
+def _speed_markdown(cells: list[dict], configs: list) -> str:
+    """Decode time per config, saying whether each config was timed alone or shared a batch with others (then the
+    time is the batch's, the same for every config in it, and does not compare configs: --decode-alone does)."""
+    lines = ["| policy | ratio | decode s per answer | answer tokens | tokens/s | timed |", "|---|---|---|---|---|---|"]
+    for policy, ratio in configs:
+        rs = [s for s in cells if (s["policy"], s["ratio"]) == (policy, ratio)]
+        seconds, tokens = _mean([s["decode_s"] for s in rs]), _mean([s["new_tokens"] for s in rs])
+        batch = max(s.get("decode_batch", 1) for s in rs)
+        timed = "alone" if batch == 1 else f"shared: a batch of {batch} configs (the batch's time)"
+        rate = f"{tokens / seconds:.1f}" if seconds > 0 and batch == 1 else ""
+        lines.append(f"| {policy} | {ratio:.2f} | {seconds:.2f} | {tokens:.1f} | {rate} | {timed} |")
+    return "Decode time per config:\n\n" + "\n".join(lines) + "\n"
 
 
 def accuracy_per_byte(summary: list[dict]) -> list[dict]:
@@ -135,7 +153,9 @@ def frontier_markdown(summary: list[dict]) -> str:
         for budget in BYTE_BUDGETS:
             best = best_within(cell, budget, full_n)
             if best is None:
-                parts.append(f"| {budget:.0%} | (none fits) | | | | |")
+                smallest = min((p for p in cell if p.get("n", 0) >= full_n), key=lambda p: p["bytes"], default=None)
+                fewest = f": the fewest bytes, {_label(smallest)}, hold {smallest['bytes']:.1%}" if smallest else ""
+                parts.append(f"| {budget:.0%} | (none fits{fewest}) | | | | |")
                 continue
             share = f"{100 * best['score'] / full:.0f}%" if full == full and full else ""
             parts.append(f"| {budget:.0%} | {_label(best)} | {best['bytes']:.1%} | {best['score']:.1f} | {share} | "

@@ -21,7 +21,10 @@ def _kv_bytes(cache) -> int:
     return sum(row["kv_bytes"] for row in cache.stats())
 
 
-def evaluate(model, tokenizer, sample: Sample, configs: list[Config], mode: str = "query_aware") -> list[dict]:
+def evaluate(model, tokenizer, sample: Sample, configs: list[Config], mode: str = "query_aware",
+             decode_alone: bool = False) -> list[dict]:
+    """Rows of every config on `sample`. Configs decode stacked as rows of shared batches, so a row's decode_s is
+    its batch's (`batch`: how many configs shared it), unless `decode_alone` (each config its own batch)."""
     if mode not in MODES:
         raise ValueError(f"mode={mode!r}; allowed values: {list(MODES)}")
     device = model.device
@@ -47,7 +50,7 @@ def evaluate(model, tokenizer, sample: Sample, configs: list[Config], mode: str 
     if mode == "query_aware":
         for qi, (head, tail) in enumerate(encoded):
             pre = prefill(model, torch.tensor([head + tail], device=device), configs)
-            for batch, policy in decode_batches(pre, configs):
+            for batch, policy in decode_batches(pre, configs, decode_alone):
                 tokens, seconds = answer(model, pre, batch, policy, None, sample.max_new_tokens, stop)
                 for c, t in zip(batch, tokens):
                     record(pre, c, qi, t, seconds, len(batch))
@@ -55,7 +58,7 @@ def evaluate(model, tokenizer, sample: Sample, configs: list[Config], mode: str 
         if any(head != encoded[0][0] for head, _ in encoded):
             raise ValueError("query_agnostic: the questions of a sample must share one context")
         pre = prefill(model, torch.tensor([encoded[0][0]], device=device), configs)
-        batches = decode_batches(pre, configs)
+        batches = decode_batches(pre, configs, decode_alone)
         for qi, (_, tail) in enumerate(encoded):
             for batch, policy in batches:
                 tokens, seconds = answer(model, pre, batch, policy, torch.tensor([tail], device=device),

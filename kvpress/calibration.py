@@ -296,16 +296,24 @@ HELD_OUT = 4  # texts `kvpress calibrate` keeps apart to measure the fit (calibr
 MIN_TOKENS = 64  # shorter texts leave a layer too few tokens after the sinks to fit a predictor
 
 
-def main(argv=None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvpress calibrate", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="a local model folder, or a name from kvpress.models "
                                                        "(smollm2, gemma3)")
     parser.add_argument("--out", default=None, help=f"output file (default: <model folder>/{FILE_NAME})")
-    parser.add_argument("--kind", default="linear", choices=("linear", "mlp"))
-    parser.add_argument("--target", default="kvzip", choices=("kvzip", "kvzip_plus"))
+    parser.add_argument("--kind", default="linear", choices=("linear", "mlp"),
+                        help="the KVzap predictor: linear (default; answers best) or a 2-layer mlp")
+    parser.add_argument("--target", default="kvzip", choices=("kvzip", "kvzip_plus"),
+                        help="the scores the predictor learns: KVzip's (default) or KVzip+'s (normalised)")
     parser.add_argument("--texts", type=int, default=16, help=f"calibration texts ({HELD_OUT} of them held out)")
     parser.add_argument("--tokens", type=int, default=2048, help="tokens per text")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="the model's dtype while calibrating (default float32)")
+    return parser
+
+
+def main(argv=None) -> None:
+    parser = build_parser()
     args = parser.parse_args(argv)
     try:  # every flag, before the model loads (a calibration runs for minutes)
         source = arguments.model_folder("--model", args.model)

@@ -1,11 +1,14 @@
-"""`kvpress <command>`: the library's command line (today: `kvpress calibrate`; evals are `kvpress-eval`)."""
+"""`kvpress <command>`: the library's command line (`kvpress calibrate`, `kvpress demo`; evals are `kvpress-eval`)."""
 
 from __future__ import annotations
 
 import importlib
 import sys
 
-COMMANDS = {"calibrate": ("kvpress.calibration", "fit a model's KVzap predictor and head ranking (kvpress/calibration.py)")}
+COMMANDS = {
+    "calibrate": ("kvpress.calibration", "fit a model's KVzap predictor and head ranking (kvpress/calibration.py)"),
+    "demo": ("kvpress.demo", "compress a document once, ask it questions, save and load it (what `make demo` runs)"),
+}
 USAGE = "usage: kvpress {" + ",".join(COMMANDS) + "} [options]   (kvpress <command> --help for a command's options)\n\n" + \
     "\n".join(f"  {name:<10} {what}" for name, (_, what) in COMMANDS.items()) + "\n"
 

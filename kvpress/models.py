@@ -185,9 +185,14 @@ def install_calibration(name: str) -> None:
               f"kvzap and duo_attention use {target}. To use the shipped one: rm {target} && make models")
 
 
-def main(argv=None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvpress-models", description="Prepare kvpress's offline models.")
     parser.add_argument("names", nargs="*", default=sorted(MODELS), help=f"models to prepare: {sorted(MODELS)}")
+    return parser
+
+
+def main(argv=None) -> None:
+    parser = build_parser()
     args = parser.parse_args(argv)
     unknown = [name for name in args.names if name not in MODELS]
     if unknown:  # every name before any download

@@ -50,3 +50,33 @@ def test_kvpress_calibrate_checks_every_flag_before_the_model_loads(argv, messag
     assert done.returncode == 2, done.stderr[-2000:]
     assert "kvpress calibrate: error: --" in done.stderr and message in done.stderr
     assert "Traceback" not in done.stderr and list(tmp_path.iterdir()) == [blocker]
+
+
+def test_every_option_of_every_command_has_help_text():
+    import argparse
+
+    from evals.cli import build_parser as eval_parser
+    from kvpress.calibration import build_parser as calibrate_parser
+    from kvpress.demo import build_parser as demo_parser
+    from kvpress.models import build_parser as models_parser
+
+    for parser in (eval_parser(), calibrate_parser(), demo_parser(), models_parser()):
+        for action in parser._actions:
+            if not isinstance(action, argparse._HelpAction):
+                assert action.help, f"{parser.prog}: {action.option_strings or action.dest} has no help text"
+    done = command("kvpress.cli", "--help")
+    assert "demo" in done.stdout and "calibrate" in done.stdout
+
+
+def test_the_demo_refuses_a_bad_flag_in_one_line():
+    done = command("kvpress.demo", "--tokens", "0")
+    assert done.returncode == 2 and "--tokens=0; allowed values: an int >= 1" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.real_model
+def test_the_demo_runs_and_answers_the_same_after_save_and_load():
+    done = command("kvpress.demo", "--tokens", "500", "--new-tokens", "4")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "full cache" in done.stdout and "kvzap+kivi" in done.stdout
+    assert "Asked again after loading: the same answers." in done.stdout
