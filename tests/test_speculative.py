@@ -5,12 +5,13 @@ import torch
 
 import kvpress
 from kvpress import KVPressCache
+from kvpress.integrations.hf import with_cache
 from kvpress.kernels import allowed_mask
 from kvpress.kernels.online_softmax import Queries, finish
 from kvpress.kernels.sparse_attention import Selection, sparse_attention_state_reference
 from kvpress.kernels.triton_sparse import sparse_attention_state_triton
 from kvpress.policies import Quest
-from kvpress.speculative import DRAFTS, accept, custom_generate, speculative_generate
+from kvpress.speculative import DRAFTS, accept, custom_generate, last_stats, speculative_generate
 
 from conftest import tiny_model
 
@@ -110,6 +111,69 @@ def test_rollback_leaves_the_cache_as_if_rejected_tokens_never_came():
         assert torch.equal(a.key_positions(), b.key_positions())
         torch.testing.assert_close(a.keys_view(), b.keys_view(), atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(a.values_view(), b.values_view(), atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------- stats and a prefilled cache
+def _check_stats(stats, generated, gamma):
+    for name in ("prefill_s", "draft_s", "verify_s", "total_s", "decode_s", "decode_tokens_per_s"):
+        assert getattr(stats, name) >= 0, name
+    assert stats.prefill_s + stats.draft_s + stats.verify_s <= stats.total_s
+    assert stats.emitted == generated
+    assert stats.rounds == len(stats.per_round_accepted) >= 1
+    assert 1 <= stats.tokens_per_round <= gamma + 1 and 0 <= stats.acceptance_rate <= 1
+
+
+def test_stats_split_the_time_and_count_the_returned_tokens():
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="no speculative_generate has finished on this model yet"):
+        last_stats(model)
+    ids, mask = left_padded_pair()
+    out, stats = speculative_generate(model, ids, mask, draft="quest", gamma=3, max_new_tokens=20, draft_budget=16,
+                                      return_stats=True)
+    _check_stats(stats, out.shape[1] - ids.shape[1], 3)
+    assert stats.emitted == 20 and last_stats(model) is stats
+    # cut at EOS: emitted counts the returned tokens, not the drafts committed after the EOS
+    eos = int(out[0, ids.shape[1] + 6])
+    out, stats = speculative_generate(model, ids[:1], draft="quest", gamma=3, max_new_tokens=20, draft_budget=16,
+                                      eos_token_id=eos, return_stats=True)
+    assert int(out[0, -1]) == eos and out.shape[1] - ids.shape[1] <= 7
+    _check_stats(stats, out.shape[1] - ids.shape[1], 3)
+    # through model.generate, which returns ids only
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
+                         custom_generate=custom_generate, draft="sink_window", gamma=2, draft_budget=16)
+    _check_stats(last_stats(model), out.shape[1] - ids.shape[1], 2)
+
+
+def test_decoding_from_a_prefilled_cache_equals_decoding_from_the_prompt():
+    """One prefill of the prompt less its last tokens, forked for each call: every call equals plain greedy decoding
+    and leaves the prefilled cache as it was."""
+    model = tiny_model("llama")
+    ids, mask = left_padded_pair(2)
+    with kvpress.patch_model(model, "none"):
+        ref = plain(model, ids, mask, 16)
+        prefilled = KVPressCache(model.config)
+        model(ids[:, :-3], **with_cache(model, prefilled, attention_mask=mask[:, :-3]))
+        for draft in ("retrieval", "sink_window"):
+            out, stats = speculative_generate(model, ids, mask, draft=draft, gamma=3, max_new_tokens=16,
+                                              draft_budget=16, cache=prefilled.fork(), return_stats=True)
+            assert out.tolist() == ref.tolist(), draft
+            _check_stats(stats, 16, 3)
+        assert prefilled.get_seq_length() == ids.shape[1] - 3
+        fork = prefilled.fork()
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False,
+                             custom_generate=custom_generate, draft="quest", gamma=3, draft_budget=16, cache=fork)
+        assert out.tolist() == ref.tolist()
+        assert fork.get_seq_length() == out.shape[1] - 1  # generate's cache was the one decoded on
+    from transformers import DynamicCache
+
+    whole = KVPressCache(model.config)
+    with kvpress.patch_model(model, "none"):
+        model(ids, **with_cache(model, whole, attention_mask=mask))
+    for past, match in [(whole, r"cache holds 70 tokens; allowed values: a KVPressCache holding fewer "
+                                r"tokens than input_ids \(70\)"),
+                        (DynamicCache(), r"cache=DynamicCache; allowed values: None, or a KVPressCache")]:
+        with pytest.raises(ValueError, match=match):
+            speculative_generate(model, ids, mask, cache=past)
 
 
 # ---------------------------------------------------------------------------- sampling

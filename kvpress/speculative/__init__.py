@@ -1,5 +1,5 @@
 """Self-speculative decoding: the model drafts from a cheap view of its own compressed cache."""
 
-from .generate import DRAFTS, SpeculativeStats, accept, custom_generate, speculative_generate
+from .generate import DRAFTS, SpeculativeStats, accept, custom_generate, last_stats, speculative_generate
 
-__all__ = ["DRAFTS", "SpeculativeStats", "accept", "custom_generate", "speculative_generate"]
+__all__ = ["DRAFTS", "SpeculativeStats", "accept", "custom_generate", "last_stats", "speculative_generate"]

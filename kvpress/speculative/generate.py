@@ -15,13 +15,14 @@ exactly lossless.
 from __future__ import annotations
 
 import threading
+import time
 import weakref
 from dataclasses import dataclass, field
 
 import torch
 
 from ..cache import KVPressCache
-from ..integrations.hf import with_cache
+from ..integrations.hf import given_cache, with_cache
 from ..integrations.patching import patch_model
 from ..integrations.registry import patch_of
 from ..policies import KIVI, Codec, Quant4View, Quest, ReadPolicy, Retrieval, SinkWindow, TopK
@@ -32,15 +33,32 @@ DRAFTS = {"sink_window": SinkWindow, "retrieval": Retrieval, "quest": Quest, "to
 # returns: calls on several threads at once share that one patch (model -> [patch, calls using it]).
 _SHARED: "weakref.WeakKeyDictionary[torch.nn.Module, list]" = weakref.WeakKeyDictionary()
 _SHARED_LOCK = threading.Lock()
+# model -> the SpeculativeStats of the last call that finished on it (last_stats): reachable after
+# model.generate(custom_generate=...), which returns ids only
+_LAST: "weakref.WeakKeyDictionary[torch.nn.Module, SpeculativeStats]" = weakref.WeakKeyDictionary()
 
 
 @dataclass
 class SpeculativeStats:
+    """What one speculative_generate call did, and where its time went.
+
+    rounds: draft-then-verify rounds; drafted / accepted: draft tokens proposed / accepted, summed over rows;
+    emitted: new tokens per row in the returned ids (the prefill's first token included, cut at EOS as generate
+    cuts); per_round_accepted: per round, each row's accepted count.
+    Wall-clock seconds (time.perf_counter; on CUDA the device is synchronised at each phase boundary, so a phase
+    is charged its own kernels): prefill_s, the forward over the prompt (or over the part of it past a given
+    cache=) that yields the first token; draft_s, the draft forwards and their rollback; verify_s, the
+    verification forwards and acceptance; total_s, the whole call inside the loop (the rest is bookkeeping)."""
+
     rounds: int = 0
     drafted: int = 0
     accepted: int = 0
     emitted: int = 0
     per_round_accepted: list = field(default_factory=list)
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    total_s: float = 0.0
 
     @property
     def acceptance_rate(self) -> float:
@@ -48,7 +66,34 @@ class SpeculativeStats:
 
     @property
     def tokens_per_round(self) -> float:
-        return self.emitted / max(1, self.rounds)
+        """Tokens committed per verification forward (the smallest accepted prefix of the batch + 1)."""
+        return sum(min(n) + 1 for n in self.per_round_accepted) / max(1, self.rounds)
+
+    @property
+    def decode_s(self) -> float:
+        return max(0.0, self.total_s - self.prefill_s)
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens per row per second after the first (the prefill's), over decode_s; 0 when nothing was decoded."""
+        return (self.emitted - 1) / self.decode_s if self.emitted > 1 and self.decode_s > 0 else 0.0
+
+
+def last_stats(model) -> SpeculativeStats:
+    """SpeculativeStats of the last speculative_generate (or custom_generate) call that finished on `model`,
+    as kvpress.last_cache_stats(model) reports the last patched generate's cache."""
+    with _SHARED_LOCK:
+        stats = _LAST.get(model)
+    if stats is None:
+        raise ValueError("no speculative_generate has finished on this model yet; call kvpress.speculative_generate "
+                         "or model.generate(..., custom_generate=kvpress.speculative.custom_generate)")
+    return stats
+
+
+def _clock(device: torch.device) -> float:
+    if device.type == "cuda":  # kernels run asynchronously: without this, a phase would be charged the previous one's
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 def _distribution(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
@@ -108,6 +153,22 @@ def _check(draft, gamma, max_new_tokens, do_sample, temperature, top_p, draft_bu
         raise ValueError(f"top_p={top_p!r}; allowed values: a float in (0, 1]")
 
 
+def _check_past(cache, input_ids):
+    if cache is None:
+        return
+    if not isinstance(cache, KVPressCache):
+        raise ValueError(f"cache={type(cache).__name__}; allowed values: None, or a KVPressCache "
+                         f"that holds a prefix of input_ids (drafts are rolled back with kvpress's exact crop)")
+    seen, length = cache.get_seq_length(), input_ids.shape[1]
+    if seen >= length:
+        raise ValueError(f"cache holds {seen} tokens; allowed values: a KVPressCache holding fewer tokens "
+                         f"than input_ids ({length}): at least the last prompt token must be run to predict the first "
+                         f"new token")
+    if cache.read_policy is not None:
+        raise ValueError(f"cache has read_policy={cache.read_policy!r} set (a draft view left "
+                         f"on it); allowed values: a KVPressCache with read_policy=None")
+
+
 def _draft_and_target(draft, draft_params: dict, draft_budget, gamma: int, existing, context: int):
     """(the draft's read view, the policy to patch an unpatched model with), every argument checked first."""
     changes = [p.decode_change for p in existing.policy.parts() if not isinstance(p, Codec)] if existing is not None else []
@@ -154,7 +215,8 @@ def _draft_and_target(draft, draft_params: dict, draft_budget, gamma: int, exist
 def speculative_generate(model, input_ids, attention_mask=None, *, draft="sink_window", gamma: int = 4,
                          max_new_tokens: int = 64, do_sample: bool = False, temperature: float = 1.0,
                          top_p: float = 1.0, draft_budget: int | None = None, eos_token_id=None,
-                         pad_token_id=None, generator=None, return_stats: bool = False, **draft_params):
+                         pad_token_id=None, generator=None, return_stats: bool = False, cache=None,
+                         **draft_params):
     """Generate with the model drafting for itself from a cheap view of its own KVPressCache.
 
     draft: "sink_window" (sinks + window, MagicDec's StreamingLLM-style view), "retrieval" (TriForce chunks),
@@ -164,9 +226,18 @@ def speculative_generate(model, input_ids, attention_mask=None, *, draft="sink_w
     draft="quant4": the cache is stored as 8-bit KIVI codes (the target reads them whole, so outputs equal the
     8-bit-KV model's) and the draft reads their upper 4 bits; draft_params then configure KIVI.
     eos_token_id / pad_token_id: None takes the model's generation_config, as `generate` does (eos_token_id=[]
-    generates through EOS). Returns the ids [B, prompt + new] like `generate`: it stops once every row has produced
-    EOS, rows that finished earlier padded (and SpeculativeStats with return_stats=True)."""
+    generates through EOS). cache: None, or a KVPressCache already holding a prefix of input_ids
+    (prefilled under the same patch), e.g. `prefilled.fork()` to decode many times from one prefill; only the rest
+    of the prompt is run, and the cache is extended in place, as generate extends the cache it is given.
+    Returns the ids [B, prompt + new] like `generate`: it stops once every row has produced EOS, rows that finished
+    earlier padded. return_stats=True returns (ids, SpeculativeStats): acceptance and the time split (prefill_s,
+    draft_s, verify_s, total_s, decode_tokens_per_s); kvpress.speculative.last_stats(model) returns the same
+    after any call, including through model.generate(custom_generate=...).
+
+        out, stats = kvpress.speculative_generate(model, ids, draft="quest", gamma=4, return_stats=True)
+        print(stats.acceptance_rate, stats.tokens_per_round, stats.decode_tokens_per_s)"""
     _check(draft, gamma, max_new_tokens, do_sample, temperature, top_p, draft_budget)
+    _check_past(cache, input_ids)
     config = model.generation_config
     eos_token_id = config.eos_token_id if eos_token_id is None else eos_token_id
     pad_token_id = config.pad_token_id if pad_token_id is None else pad_token_id
@@ -190,7 +261,7 @@ def speculative_generate(model, input_ids, attention_mask=None, *, draft="sink_w
             shared = None  # the caller's own patch
     try:
         return _loop(model, patch_of(model).policy, input_ids, mask, view, gamma, max_new_tokens, do_sample,
-                     temperature, top_p, eos_token_id, pad_token_id, generator, return_stats)
+                     temperature, top_p, eos_token_id, pad_token_id, generator, return_stats, cache)
     finally:
         if shared is not None:
             with _SHARED_LOCK:
@@ -201,9 +272,11 @@ def speculative_generate(model, input_ids, attention_mask=None, *, draft="sink_w
 
 
 def _loop(model, policy, input_ids, prompt_mask, view, gamma, max_new_tokens, do_sample, temperature, top_p,
-          eos_token_id, pad_token_id, generator, return_stats):
+          eos_token_id, pad_token_id, generator, return_stats, given):
+    device = input_ids.device
+    start = _clock(device)
     batch, prompt_len = input_ids.shape
-    cache = KVPressCache(model.config)
+    cache = KVPressCache(model.config) if given is None else given
     # hybrid models' sliding-window layers (transformers' own) then keep past states until each crop, so a
     # rejected draft can be rolled back there too; kvpress layers always can
     cache.activate_past_recording()
@@ -226,7 +299,8 @@ def _loop(model, policy, input_ids, prompt_mask, view, gamma, max_new_tokens, do
         return torch.multinomial(probs, 1, generator=generator).squeeze(-1), probs
 
     stats = SpeculativeStats()
-    token, _ = pick(forward(input_ids)[:, -1])
+    token, _ = pick(forward(input_ids[:, cache.get_seq_length():])[:, -1])
+    stats.prefill_s = _clock(device) - start
     out = [token[:, None]]
     finished = torch.isin(token, eos)
     produced = 1
@@ -241,6 +315,7 @@ def _loop(model, policy, input_ids, prompt_mask, view, gamma, max_new_tokens, do
             g = max(0, min(g, room - 1))
         last = out[-1][:, -1:]
         drafts, q_probs = [], []
+        t_draft = _clock(device)
         cache.read_policy = view
         try:
             current = last
@@ -253,6 +328,8 @@ def _loop(model, policy, input_ids, prompt_mask, view, gamma, max_new_tokens, do
             cache.read_policy = None
         if g:
             cache.crop(-g)  # the draft's KV of `last`, d_1..d_{g-1}: the verifier recomputes it exactly
+        t_verify = _clock(device)
+        stats.draft_s += t_verify - t_draft
         d = torch.stack(drafts, 1) if g else last.new_zeros(batch, 0)
         logits = forward(torch.cat([last, d], 1))  # [B, g+1, V], full view
         if do_sample:
@@ -264,6 +341,7 @@ def _loop(model, policy, input_ids, prompt_mask, view, gamma, max_new_tokens, do
         tail = nxt if k == g else torch.where(n == k, nxt, d[:, k])
         emitted = torch.cat([d[:, :k], tail[:, None]], 1)  # k + 1 tokens for every row
         cache.crop(-(g - k))  # keep `last` and d_1..d_k, whose KV the verifier just wrote
+        stats.verify_s += _clock(device) - t_verify
         # rows that already produced EOS emit padding, as generate does
         done_before = finished[:, None].expand_as(emitted).clone()
         hit = torch.isin(emitted, eos)
@@ -275,24 +353,37 @@ def _loop(model, policy, input_ids, prompt_mask, view, gamma, max_new_tokens, do
         stats.rounds += 1
         stats.drafted += g * batch
         stats.accepted += int(n.sum())
-        stats.emitted += k + 1
         stats.per_round_accepted.append(n.tolist())
     new = torch.cat(out, 1)[:, :max_new_tokens]
     hit = torch.isin(new, eos)
     if bool(hit.any(1).all()):  # generate stops at the step where the last row produces EOS
         new = new[:, :int(hit.long().argmax(1).max()) + 1]
     result = torch.cat([input_ids, new], 1)
+    stats.emitted = new.shape[1]
+    stats.total_s = _clock(device) - start
+    with _SHARED_LOCK:
+        _LAST[model] = stats
     return (result, stats) if return_stats else result
 
 
 def custom_generate(model, input_ids, logits_processor=None, stopping_criteria=None, generation_config=None,
                     draft="sink_window", gamma=4, draft_budget=None, **model_kwargs):
     """`model.generate(..., custom_generate=kvpress.speculative.custom_generate, draft=..., gamma=...)`.
-    Uses the generation config's max length, sampling, temperature, top-p, EOS and pad tokens."""
+    Uses the generation config's max length, sampling, temperature, top-p, EOS and pad tokens; a KVPressCache given
+    to generate (cache= or past_key_values=, by the caller or by a kvpress patch's generate) is speculative_generate's
+    cache=.
+    Returns ids only: kvpress.speculative.last_stats(model) has the call's SpeculativeStats."""
     config = generation_config
+    past = given_cache(model_kwargs)
+    if past is not None and not isinstance(past, KVPressCache):
+        if past.get_seq_length():
+            raise ValueError(f"cache={type(past).__name__} holding {past.get_seq_length()} tokens; "
+                             f"allowed values: None, or a KVPressCache (self-speculation rolls drafts back with "
+                             f"kvpress's exact crop)")
+        past = None  # the empty cache transformers' generate makes for an unpatched model: speculation makes its own
     return speculative_generate(
         model, input_ids, model_kwargs.get("attention_mask"), draft=draft, gamma=gamma,
         max_new_tokens=config.max_length - input_ids.shape[1], do_sample=bool(config.do_sample),
         temperature=config.temperature or 1.0, top_p=config.top_p or 1.0, draft_budget=draft_budget,
-        eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id,
+        eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id, cache=past,
     )
