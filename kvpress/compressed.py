@@ -285,6 +285,8 @@ def load(path, model) -> CompressedContext:
     if header.get("format") != FILE_FORMAT or header.get("version") != FILE_VERSION:
         raise ValueError(f"{path}: format {header.get('format')!r} version {header.get('version')!r}; this kvpress "
                          f"reads {FILE_FORMAT!r} version {FILE_VERSION}")
+    if "context_ids" not in tensors or not isinstance(header.get("model"), dict):
+        raise ValueError(f"{path}: not a readable kvpress context file (no context ids or model identity)")
     if _checksum(tensors) != header.get("checksum"):
         raise ValueError(f"{path}: damaged (its tensors' bytes do not match the checksum written with them)")
     mine = _identity(model)

@@ -80,3 +80,16 @@ def test_the_demo_runs_and_answers_the_same_after_save_and_load():
     assert done.returncode == 0, done.stderr[-2000:]
     assert "full cache" in done.stdout and "kvzap+kivi" in done.stdout
     assert "Asked again after loading: the same answers." in done.stdout
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--task", "rulr"], "--task"),
+    (["--task", "ruler", "--ratios", "1.5"], "--ratios"),
+    (["--task", "ruler", "--policies", "snapkv,nosuch"], "nosuch"),
+])
+def test_kvpress_eval_refuses_bad_flags_in_one_line(argv, message, tmp_path):
+    done = command("evals.cli", "--model", "smollm2", "--out", str(tmp_path / "out"), *argv)
+    assert done.returncode == 2, done.stderr[-2000:]
+    lines = [l for l in done.stderr.splitlines() if l.strip()]
+    assert lines[-1].startswith("kvpress-eval: error:") and message in lines[-1], done.stderr[-2000:]
+    assert "Traceback" not in done.stderr

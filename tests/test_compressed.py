@@ -186,3 +186,16 @@ def test_smollm2_compress_once_ask_many(smollm2, tmp_path):
         ids = torch.tensor([tokenizer.encode(text, add_special_tokens=False)])
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False)
         assert got == out[0, ids.shape[1]:].tolist()[:len(got)]
+
+
+def test_generate_given_only_the_question_after_a_compressed_document_says_what_to_pass(llama):
+    """It failed deep inside transformers with "cannot reshape tensor of 0 elements"."""
+    context_ids, fmt = split_prompt(TOK, CONTEXT)
+    question = torch.tensor([fmt.ids(TOK, "Who?")])
+    cache = kvpress.KVPressCache(llama.config)
+    with kvpress.patch_model(llama, "snapkv", compression_ratio=0.5), torch.no_grad():
+        llama(input_ids=context_ids, cache=cache)
+        before = cache.nbytes()
+        with pytest.raises(ValueError, match=r"input_ids has 24 tokens per row, but the cache given has already seen"):
+            llama.generate(question, attention_mask=torch.ones_like(question), cache=cache, max_new_tokens=4)
+    assert cache.nbytes() == before and cache.get_seq_length() == context_ids.shape[1]

@@ -5,6 +5,8 @@ call leaves its cache exactly as it was."""
 
 from __future__ import annotations
 
+import torch
+
 from ..cache import KVPressCache
 from .hf import given_cache
 from .registry import patch_of
@@ -58,8 +60,19 @@ def _describe(kinds: tuple, window: int | None) -> str:
 _ASSISTED = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit")
 
 
-def check_generate(patch, model, kwargs) -> None:
-    """Raise ValueError, before generate starts, for a transformers decoding strategy the patch cannot serve."""
+def check_generate(patch, model, args, kwargs) -> None:
+    """Raise ValueError, before generate starts, for a transformers decoding strategy the patch cannot serve, or
+    input ids that do not extend what the given cache has seen."""
+    cache, ids = given_cache(kwargs), kwargs.get("input_ids", args[0] if args else None)
+    seen = cache.get_seq_length() if isinstance(cache, KVPressCache) else 0
+    if seen and isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[1] <= seen:
+        # transformers would feed ids[:, seen:] (nothing) and fail deep inside with "cannot reshape a tensor of 0
+        # elements"; the usual cause is passing only the question after a compressed document
+        raise ValueError(
+            f"input_ids has {ids.shape[1]} tokens per row, but the cache given has already seen {seen}: generate takes "
+            f"the whole sequence, the {seen} tokens the cache holds then the new ones (e.g. the document's ids + the "
+            f"question's); allowed: input_ids longer than {seen} tokens (and a cache.fork() per question), or "
+            f"kvpress.compress(...).ask(...), which does this for you")
     config = kwargs.get("generation_config") or model.generation_config
     asked = [name for name in _ASSISTED if (kwargs[name] if name in kwargs else getattr(config, name, None)) is not None]
     policy = patch.policy

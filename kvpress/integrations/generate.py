@@ -19,7 +19,7 @@ def wrap_generate(patch, generate):
     @functools.wraps(generate)
     def kvpress_generate(*args, **kwargs):
         kwargs = renamed_for(model, kwargs) or kwargs
-        check_generate(patch, model, kwargs)
+        check_generate(patch, model, args, kwargs)
         if given_cache(kwargs) is None and kwargs.get("use_cache", True):
             kwargs[cache_argument(model)] = KVPressCache(model.config)
         with patch.running(None):
