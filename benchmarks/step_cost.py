@@ -41,7 +41,8 @@ def main(argv=None):
                     seen = fork.get_seq_length()
                     new = torch.randint(100, 20000, (1, q))
                     start = time.perf_counter()
-                    model(**with_cache(model, fork, input_ids=new, attention_mask=torch.ones(1, seen + q, dtype=torch.long),
+                    mask = torch.ones(1, seen + q, dtype=torch.long)
+                    model(**with_cache(model, fork, input_ids=new, attention_mask=mask,
                                        position_ids=torch.arange(seen, seen + q)[None]))
                     times.append(time.perf_counter() - start)
                     start = time.perf_counter()

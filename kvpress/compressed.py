@@ -94,8 +94,8 @@ def policy_spec(policy) -> list[dict]:
             if isinstance(value, (bool, int, float, str, type(None))):
                 params[f.name] = value
             elif f.name != "tokenizer" and value != f.default:
-                raise ValueError(f"policy {part.name!r}: {f.name}={type(value).__name__}(...) cannot be recorded; allowed: "
-                                 f"hyper-parameters given as numbers or strings (a calibration as its file path)")
+                raise ValueError(f"policy {part.name!r}: {f.name}={type(value).__name__}(...) cannot be recorded; "
+                                 f"allowed: hyper-parameters given as numbers or strings (a calibration as its path)")
         spec.append(dict(name=part.name, params=params))
     return spec
 
@@ -155,8 +155,8 @@ class CompressedContext:
         for layer in self.cache.layers:
             if isinstance(layer, KVPressLayer) and layer.is_initialized:
                 keys, values = layer.tail.data.keys, layer.tail.data.values
-                per_token = keys.shape[1] * (keys.shape[-1] * keys.element_size() + values.shape[-1] * values.element_size())
-                total += layer.seen * keys.shape[0] * per_token
+                per_head = keys.shape[-1] * keys.element_size() + values.shape[-1] * values.element_size()
+                total += layer.seen * keys.shape[0] * keys.shape[1] * per_head  # tokens x rows x KV heads
             elif getattr(layer, "is_initialized", False):
                 total += sum(t.numel() * t.element_size() for t in (layer.keys, layer.values))
         return total
@@ -290,7 +290,8 @@ def load(path, model) -> CompressedContext:
     if _checksum(tensors) != header.get("checksum"):
         raise ValueError(f"{path}: damaged (its tensors' bytes do not match the checksum written with them)")
     mine = _identity(model)
-    differ = [f"{k}: file {header['model'].get(k)!r}, model {v!r}" for k, v in mine.items() if header["model"].get(k) != v]
+    saved = header["model"]
+    differ = [f"{k}: file {saved.get(k)!r}, model {v!r}" for k, v in mine.items() if saved.get(k) != v]
     if differ:
         raise ValueError(f"{path} was compressed with another model ({'; '.join(differ)}); allowed: the model it "
                          f"was made with")

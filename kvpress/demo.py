@@ -2,10 +2,10 @@
 
 One long document (filler text with four facts at different depths) is compressed once, query-agnostically, with
 the best configuration measured on this model for about a tenth of the full cache's bytes (kvzap + 4-bit KIVI: half
-of the tokens removed, the rest stored in 4 bits), and beside it kept whole (the full cache). Then both are asked four questions the compressor
-never saw, in one batch: the answers, the bytes each context holds (from its storage tensors), the prefill
-(compression) time, the questions' forward and the decode speed. Last, the compressed context is saved to a file,
-loaded back and asked again: the same answers."""
+of the tokens removed, the rest stored in 4 bits), and beside it kept whole (the full cache). Then both are asked
+four questions the compressor never saw, in one batch: the answers, the bytes each context holds (from its storage
+tensors), the prefill (compression) time, the questions' forward and the decode speed. Last, the compressed context
+is saved to a file, loaded back and asked again: the same answers."""
 
 from __future__ import annotations
 
