@@ -24,7 +24,7 @@ import torch
 
 import kvpress
 from kvpress import KVPressCache
-from kvpress.demo import TokenClock
+from kvpress.compressed import TokenClock
 from kvpress.needle import needle_prompt
 from evals.engine import parse_policy
 

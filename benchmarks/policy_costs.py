@@ -25,7 +25,7 @@ import torch
 import kvpress
 from evals.cli import load_model, pick_device, resolve_model
 from evals.engine import configs_for
-from kvpress.demo import TokenClock
+from kvpress.compressed import TokenClock
 from kvpress.needle import needle_prompt
 
 

@@ -168,14 +168,6 @@ def prefill(model, ids: torch.Tensor, configs: list[Config]) -> Prefill:
     return Prefill(out.logits[:, -1].float(), caches, {c: forward_s + fan.score_s[c] for c in configs}, ids.shape[1])
 
 
-def stop_ids(model, tokenizer) -> set[int]:
-    ids = model.generation_config.eos_token_id
-    ids = set(ids if isinstance(ids, (list, tuple)) else [ids] if ids is not None else [])
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return ids
-
-
 @torch.no_grad()
 def greedy(model, cache: KVPressCache, logits: torch.Tensor, max_new: int, stop: set[int],
            policy: Policy) -> list[list[int]]:
@@ -270,13 +262,13 @@ class Rows(Policy):
         evict_to_budget(layer, scores, layer.row_budget, kept_first)
 
 
-def decode_batches(pre: Prefill, configs: list[Config], alone: bool = False) -> list[tuple[list[Config], Policy]]:
+def decode_batches(pre: Prefill, configs: list[Config], separate: bool = False) -> list[tuple[list[Config], Policy]]:
     """How to decode: (configs stacked as rows, the policy to patch with). Prefill-only policies share one batch
     under "none" (their hooks are no-ops after prefill); decode-time evictors share one batch under Rows;
-    anything else (low-bit storage, custom hooks) decodes alone under its own policy. `alone`: every config in a
-    batch of its own (its decode time is then its own, comparable across configs)."""
+    anything else (low-bit storage, custom hooks) decodes alone under its own policy. `separate`: every config in
+    a batch of its own (its decode time is then its own, comparable across configs)."""
     made = {c: c.make() for c in configs}
-    if alone:
+    if separate:
         return [([c], made[c]) for c in configs]
     passive, passive_flat, shared, extra, alone = [], [], [], {}, []
     shared_keys = {}  # policy class -> the parameter set that rides in the shared Rows batch

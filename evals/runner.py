@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from .engine import Config, answer, decode_batches, prefill, stop_ids
+from kvpress.questions import stop_ids
+
+from .engine import Config, answer, decode_batches, prefill
 from .metrics import score_prediction
 from .samples import Sample, encode
 

@@ -31,7 +31,7 @@ from .formats.calibration import model_identity
 from .integrations import patch_model
 from .integrations.hf import with_cache
 from .policies.registry import get_policy_class, resolve_policy
-from .questions import QuestionFormat, left_padded, split_prompt
+from .questions import QuestionFormat, left_padded, split_prompt, stop_ids
 from .version import __version__
 
 FILE_FORMAT = "kvpress compressed context"
@@ -191,7 +191,7 @@ class CompressedContext:
             raise ValueError("tokenizer: not the tokenizer this context was compressed with (its ids or chat template "
                              "differ); allowed: the same tokenizer")
         ids = [self.question_format.ids(tokenizer, q) for q in questions]  # every question checked first
-        stop = _stop_ids(self.model, tokenizer)
+        stop = stop_ids(self.model, tokenizer)
         pad = tokenizer.pad_token_id if getattr(tokenizer, "pad_token_id", None) is not None else min(stop, default=0)
         step = batch_size or len(ids)
         if any(not isinstance(layer, KVPressLayer) for layer in self.cache.layers):
@@ -314,14 +314,6 @@ def _checksum(tensors: dict) -> str:
         digest.update(f"{name}{t.dtype}{tuple(t.shape)}".encode())
         digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return digest.hexdigest()
-
-
-def _stop_ids(model, tokenizer) -> set[int]:
-    ids = model.generation_config.eos_token_id
-    ids = set(ids if isinstance(ids, (list, tuple)) else [ids] if ids is not None else [])
-    if getattr(tokenizer, "eos_token_id", None) is not None:
-        ids.add(tokenizer.eos_token_id)
-    return ids
 
 
 def _device(model) -> torch.device:

@@ -10,7 +10,6 @@ is saved to a file, loaded back and asked again: the same answers."""
 from __future__ import annotations
 
 import argparse
-import random
 import tempfile
 import time
 from pathlib import Path
@@ -69,7 +68,6 @@ def main(argv=None):
             parser.error(f"--{name.replace('_', '-')}={value}; allowed values: an int >= 1")
     if args.threads:
         torch.set_num_threads(args.threads)
-    random.seed(0)
 
     model, tokenizer = load("smollm2")
     text = document(tokenizer, args.tokens)

@@ -61,6 +61,15 @@ def split_prompt(tokenizer, context: str, chat_template: bool | None = None) -> 
     return torch.tensor([list(ids)], dtype=torch.long), fmt
 
 
+def stop_ids(model, tokenizer) -> set[int]:
+    """Token ids that end an answer: the model's generation_config EOS (one or several) and the tokenizer's."""
+    ids = model.generation_config.eos_token_id
+    ids = set(ids if isinstance(ids, (list, tuple)) else [ids] if ids is not None else [])
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
 def left_padded(context_ids: torch.Tensor, questions: list[list[int]], pad_id: int) -> tuple:
     """(input ids [Q, n + L], attention mask) for questions of different lengths after one context: each question
     is left-padded to the longest (padding sits between the context and the question, masked out), so every

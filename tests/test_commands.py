@@ -93,3 +93,13 @@ def test_kvpress_eval_refuses_bad_flags_in_one_line(argv, message, tmp_path):
     lines = [l for l in done.stderr.splitlines() if l.strip()]
     assert lines[-1].startswith("kvpress-eval: error:") and message in lines[-1], done.stderr[-2000:]
     assert "Traceback" not in done.stderr
+
+
+def test_every_benchmark_script_imports():
+    """benchmarks/ use the library's public pieces; a name that moved (the demo's TokenClock) broke two of them
+    without a failing test."""
+    names = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py"))
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'benchmarks'}")
+    done = subprocess.run([sys.executable, "-c", f"import importlib\nfor m in {names!r}: importlib.import_module(m)"],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -210,8 +210,8 @@ def test_the_summary_says_which_decode_times_were_shared_and_decode_alone_times_
     assert "| none | 0.00 | 2.00 | 4.0 | 2.0 | alone |" in text
     assert "| snapkv | 0.50 | 3.00 | 4.0 |  | shared: a batch of 2 configs (the batch's time) |" in text
 
-    class Pre:  # decode_batches(alone=True) reads nothing of the prefill
+    class Pre:  # decode_batches(separate=True) reads nothing of the prefill
         caches = {}
     from evals.engine import configs_for
     configs = configs_for(["none", "snapkv", "h2o"], [0.5])
-    assert [len(b) for b, _ in decode_batches(Pre(), configs, alone=True)] == [1] * len(configs)
+    assert [len(b) for b, _ in decode_batches(Pre(), configs, separate=True)] == [1] * len(configs)
