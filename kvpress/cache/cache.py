@@ -8,6 +8,7 @@ import torch
 from transformers import PretrainedConfig
 from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 
+from . import room as rooms
 from .forward import ForwardState
 from .layer import KVPressLayer
 from .rollback import crop_refusal
@@ -37,7 +38,11 @@ class KVPressCache(Cache):
     The cache itself holds no policy: the attention function of a patched model reads and compacts it.
     """
 
-    def __init__(self, config=None, question_ids: torch.Tensor | None = None):
+    def __init__(self, config=None, question_ids: torch.Tensor | None = None, capture_reserve: int | None = None):
+        if capture_reserve is not None and (isinstance(capture_reserve, bool) or not isinstance(capture_reserve, int)
+                                            or capture_reserve < 1):
+            raise ValueError(f"capture_reserve={capture_reserve!r}; allowed values: None, or an int >= 1 (slots each "
+                             f"layer reserves ahead so that decode steps keep their shapes)")
         if config is not None and not isinstance(config, PretrainedConfig):
             raise ValueError(f"config={config!r}; allowed values: None, or the model's config (model.config, a "
                              f"transformers PretrainedConfig)")
@@ -72,6 +77,26 @@ class KVPressCache(Cache):
         self.patched_forwards = 0  # forwards of a kvpress-patched model running on this cache (set by the patch)
         # why this cache can no longer be run (a forward raised after some layers appended its tokens); None: it can
         self.broken: str | None = None
+        # slots each kvpress layer reserves ahead of its decode steps, so that a step keeps its shapes and a
+        # torch.compile'd (CUDA-graph) decode step replays until the reserve is used up (room.py); None: no reserve
+        self.capture_reserve = capture_reserve
+
+    def prepare_step(self, q_len: int) -> None:
+        """Before a decode (or extend) forward of q_len tokens: every kvpress layer's room (room.py)."""
+        masked = self.forward_state.token_mask is not None
+        for _, layer in self.kvpress_layers():
+            if layer.is_initialized:
+                rooms.prepare(layer, q_len, self.capture_reserve, masked)
+
+    def settle_step(self) -> list[KVPressLayer]:
+        """After it: the host's count of what a captured step appended. Returns the layers a traced step appended
+        to (their policy's storage work is still to run)."""
+        traced = []
+        for _, layer in self.kvpress_layers():
+            if layer.room is not None and layer.room.ready and layer.room.pending:
+                traced.append(layer)
+            rooms.settle(layer)
+        return traced
 
     def set_attention_mask(self, attention_mask: torch.Tensor | None) -> None:
         """Record the 2-D padding mask [B, seen + q_len] of the forward about to run (set by the patch's

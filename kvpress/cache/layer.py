@@ -1,13 +1,10 @@
 """One layer of a KVPressCache: the tokens a layer really keeps, where each came from, and how many it has seen.
 
-This file holds the layer's state, the transformers layer API and the layer's storage shape. The rest works on a
-layer from files of its own, each one concept, that the methods below delegate to:
-  view.py      the padded view policies see (positions, validity, keys/values) and per-slot policy state
-  eviction.py  keep/compact, sort, the in-place decode-time eviction, padding a flat layer back to a rectangle
-  flush.py     the low-bit flush (oldest full-precision slots -> codes)
-  read.py      attention and key logits, one reader per storage kind
-  rollback.py  crop
-  rows.py      single-row layers stacked as the rows of one batch
+This file holds the layer's state, the transformers layer API and the storage shape; the methods delegate to files
+of one concept each: view.py (the padded view policies see, per-slot state), append.py (appends to the tail),
+room.py (the tail's reserved room: captured decode steps), eviction.py (keep/compact, sort, in-place eviction,
+flat back to rectangle), flush.py (the low-bit flush), read.py (attention and key logits, one reader per storage
+kind), rollback.py (crop); rows.py stacks single-row layers as the rows of one batch.
 """
 
 from __future__ import annotations
@@ -18,7 +15,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from ..kernels.online_softmax import Queries
-from . import eviction, flush, rollback, view
+from . import append, eviction, flush, rollback, room as rooms, view
 from . import read as read_path  # (attend's argument is named `read`)
 from .read import Read
 from .segments import Segment, dense
@@ -60,15 +57,14 @@ class KVPressLayer(CacheLayerMixin):
     def __init__(self, **kwargs):
         # (CacheLayerMixin.__init__ would set keys/values attributes; this layer's storage is its segments)
         self.is_initialized = False
-        self.segments: list[Segment] = []
-        # slot j no longer holds position j (a token was evicted, or flat runs were made): every segment records
-        # its slots' positions, and attention needs a mask built from them
-        self.explicit_positions = False
+        self._segments: list[Segment] = []
+        # slot j no longer holds position j (evicted, flat runs): segments record positions, attention masks by them
+        self._explicit_positions = False
+        self.room: rooms.TailRoom | None = None  # the tail's reserved room, for captured decode steps (room.py)
         self.sorted = True  # every head's slots follow original position order (false after in-place eviction)
         self.row_budget: torch.Tensor | None = None
         self.decode_start = 0
-        # state derived from the storage for reads (e.g. Quest's per-page key statistics); dropped whenever the
-        # storage is restructured, extended or cut back by its owner otherwise
+        # state derived from the storage for reads (Quest's page statistics); dropped by its owner on any change
         self.derived: dict = {}
         self.policy_stats: dict[str, torch.Tensor] = {}  # per-layer policy statistics, batch-first [B, ...]
         self.seen = 0
@@ -90,7 +86,7 @@ class KVPressLayer(CacheLayerMixin):
     def checkpoint(self) -> dict:
         """This layer's state, to put back with restore(). Shares every tensor and keeps the tail's right to append
         in place: what is appended after the checkpoint is written past the slots the checkpoint covers."""
-        return {**self.__dict__, "segments": list(self.segments), "policy_stats": dict(self.policy_stats),
+        return {**self.__dict__, "_segments": list(self._segments), "policy_stats": dict(self.policy_stats),
                 "derived": {}}
 
     def restore(self, state: dict) -> None:
@@ -106,9 +102,41 @@ class KVPressLayer(CacheLayerMixin):
         out.segments = list(self.segments)
         out.policy_stats = dict(self.policy_stats)
         out.derived = {}
+        out.room = None  # buffers one layer writes in place
         return out
 
     __copy__ = fork
+
+    # ------------------------------------------------------------------ captured decode steps (room.py)
+    @property
+    def captured(self) -> bool:
+        """Code traced by torch.compile for a forward whose room is prepared: it sees the tail as the whole room."""
+        return torch.compiler.is_compiling() and self.room is not None and self.room.ready
+
+    @property
+    def segments(self) -> list[Segment]:  # (traced code of a captured step sees the whole room as the tail)
+        return [*self._segments[:-1], self.room.segment] if self.captured else self._segments
+
+    @segments.setter
+    def segments(self, value: list[Segment]) -> None:
+        self._segments = value
+
+    @property
+    def tail_exact(self) -> Segment:  # the tail as eager code sees it (its filled slots), traced or not
+        return self._segments[-1]
+
+    @property
+    def explicit_positions(self) -> bool:
+        return self._explicit_positions or self.captured  # a room's unfilled slots are masked by position
+
+    @explicit_positions.setter
+    def explicit_positions(self, value: bool) -> None:
+        self._explicit_positions = value
+
+    def newest_positions(self, n: int) -> torch.Tensor:
+        """[n] positions of the newest n tokens seen (a captured step reads them from the room's counters)."""
+        seen = self.get_seq_length()
+        return seen - n + torch.arange(n, device=self.device)
 
     # ------------------------------------------------------------------ transformers layer API
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -123,39 +151,28 @@ class KVPressLayer(CacheLayerMixin):
         Returns the tail's keys/values: kvpress attention reads the layer itself, never these. What is stored
         carries no autograd history (a cache must not keep a forward's graph alive)."""
         key_states, value_states = key_states.detach(), value_states.detach()
+        if self.room is not None and self.room.ready:  # prepared: append by index into the room (room.py)
+            rooms.append(self, self.room, key_states, value_states, new_valid)
+            if not torch.compiler.is_compiling():
+                rooms.settle(self)  # eager: count it now (a traced step is counted by the host after the graph)
+            return self.tail.data.keys, self.tail.data.values
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        batch, heads, q_len, _ = key_states.shape
-        tail = self.tail
-        positions = tail.positions
-        if self.explicit_positions:
-            new_pos = torch.arange(self.seen, self.seen + q_len, device=self.device, dtype=torch.int32)
-            positions = torch.cat([positions, new_pos.expand(batch, heads, q_len)], -1)
-        valid = tail.valid
-        has_padding = new_valid is not None and not bool(new_valid.all())
-        if has_padding:
-            missing = (~new_valid.to(dtype=torch.bool)).sum(-1).to(self.device)
-            self.padding = missing if self.padding is None else self.padding + missing
-        if new_valid is not None and (valid is not None or has_padding):
-            if valid is None:
-                valid = torch.ones(batch, heads, tail.num_slots, dtype=torch.bool, device=self.device)
-            new_valid = new_valid.to(device=self.device, dtype=torch.bool)[:, None, :].expand(batch, heads, q_len)
-            valid = torch.cat([valid, new_valid], -1)
-        elif valid is not None:
-            valid = torch.cat([valid, valid.new_ones(batch, heads, q_len)], -1)
-        state = {name: torch.cat([s, s.new_zeros(batch, heads, q_len)], -1) for name, s in tail.state.items()}
-        self.segments[-1] = Segment(tail.data.append(key_states, value_states), positions, valid, state)
-        self.seen += q_len
-        self.appended += q_len
-        self.last_q_len = q_len
+        append.to_tail(self, key_states, value_states, new_valid)
         return self.tail.data.keys, self.tail.data.values
 
     def get_seq_length(self) -> int:
-        # Tokens SEEN, not stored: generate derives new positions from it, and eviction must not shift them.
+        # Tokens SEEN, not stored: generate derives new positions from it, and eviction must not shift them. (A
+        # captured step's count is on the device, as transformers' StaticLayer gives its own.)
+        if self.captured:
+            return self.room.counters[1] + self.room.pending
         return self.seen
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        # Same contract as transformers' sliding-window layer: stored slots + new tokens, offset by the gap.
+        # Same contract as transformers' sliding-window layer: stored slots + new tokens, offset by the gap. (A
+        # captured step masks by the room's positions, never by this mask: no count that changes per step.)
+        if self.captured:
+            return self.view_width + query_length, 0
         return self.view_width + query_length, self.seen - self.view_width
 
     def get_max_length(self) -> int:
@@ -209,14 +226,14 @@ class KVPressLayer(CacheLayerMixin):
 
     def offload(self) -> None:
         if self.is_initialized:
-            self.segments = [s.to("cpu") for s in self.segments]
+            self.segments, self.room = [s.to("cpu") for s in self.segments], None
 
     def prefetch(self) -> None:
         if self.is_initialized:
             self.segments = [s.to(self.device) for s in self.segments]
 
     def _map_rows(self, fn) -> None:
-        self.segments = [s.map_rows(fn) for s in self.segments]
+        self.segments, self.room = [s.map_rows(fn) for s in self.segments], None
         if self.row_budget is not None:
             self.row_budget = fn(self.row_budget)
         if self.padding is not None:
@@ -370,8 +387,13 @@ class KVPressLayer(CacheLayerMixin):
     # ------------------------------------------------------------------ bytes
     def nbytes(self) -> int:
         """Bytes held by this layer's storage tensors (keys, values or codes, positions, validity, state)."""
-        return sum(t.numel() * t.element_size() for s in self.segments for t in s.tensors()) \
-            if self.is_initialized else 0
+        if not self.is_initialized:
+            return 0
+        segments, room = self._segments, self.room
+        if room is not None and room.issued is self.tail_exact:
+            segments = segments[:-1]  # the tail is views of the room, counted whole (reserved + used) below
+        return sum(t.numel() * t.element_size() for s in segments for t in s.tensors()) + \
+            (room.nbytes() if room is not None else 0)
 
     def kv_nbytes(self) -> int:
         """Bytes held by keys and values (or their codes) alone."""

@@ -42,14 +42,15 @@ def kvpress_attention(module, query, key, value, attention_mask, **kwargs):
     if not isinstance(layer, KVPressLayer):  # no cache, a stock cache, or a stock (sliding) layer
         return patch.attention.plain(module, query, key, value, attention_mask, **kwargs)
 
-    past = layer.seen - layer.last_q_len
     # Every chunk of a chunked prefill is a prefill step: the policy compresses after each one. A probe (extra
     # tokens a model-level hook runs over the cache) reads everything and changes nothing.
     state = cache.forward_state
     prompt_tokens, prompt_length = state.chunked_prompt or (None, None)
-    if state.probe is not None:
+    if layer.captured:  # a traced step on a prepared room: a decode or extend step (its counters are on the device)
+        phase = "decode" if query.shape[2] == 1 else "extend"
+    elif state.probe is not None:
         phase = "probe"
-    elif past == 0 or prompt_tokens is not None:
+    elif layer.seen == layer.last_q_len or prompt_tokens is not None:  # nothing before this forward's tokens
         phase = "prefill"
     else:
         phase = "decode" if layer.last_q_len == 1 else "extend"
@@ -86,6 +87,10 @@ def kvpress_attention(module, query, key, value, attention_mask, **kwargs):
     with torch.no_grad():
         if phase == "probe":
             state.probe(ctx)
+        elif layer.captured:
+            # a policy that captures (checks.captures) changes nothing in a decode step but a codec's flush, which
+            # the host runs after the graph (forwards.py)
+            policy.observe(ctx)
         else:
             _policy_step(policy, ctx)
     return output, None

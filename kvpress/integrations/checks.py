@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from ..cache import KVPressCache
+from ..policies import Codec
 from .hf import given_cache
 from .registry import patch_of
 
@@ -49,6 +50,18 @@ def check_forward(patch, decoder, args, kwargs) -> None:
                          f"(KVzip replays them), which embeddings do not give back; allowed: input_ids")
     if cache.broken is not None:
         raise ValueError(f"cache: {cache.broken}; allowed values: a new kvpress.KVPressCache(model.config)")
+    if cache.capture_reserve is not None and (busy := [p for p in patch.policy.parts() if not captures(p)]):
+        raise ValueError(f"KVPressCache(capture_reserve={cache.capture_reserve}): {busy[0].describe()} "
+                         f"{busy[0].decode_change}, which a decode step of fixed shapes cannot do yet; allowed: "
+                         f"capture_reserve=None, or policies whose decode steps only append or store low-bit codes "
+                         f"(none, eviction at prefill such as snapkv / kvzap / keydiff, kivi, gear, and their "
+                         f"compositions)")
+
+
+def captures(policy) -> bool:
+    """A decode step of this policy has fixed shapes given a room (cache/room.py): it only appends (no decode
+    change), or is a codec whose flush runs on the host after the step."""
+    return policy.decode_change is None or isinstance(policy, Codec)
 
 
 def _describe(kinds: tuple, window: int | None) -> str:

@@ -17,7 +17,7 @@ import torch
 
 from ..cache import KVPressCache
 from ..heads import SINGLE, HeadShards
-from ..policies.base import ModelPass
+from ..policies.base import Codec, ModelPass
 from .checks import check_forward
 from .hf import config_heads, given_cache, renamed_for, with_cache
 
@@ -42,10 +42,14 @@ class ForwardHooks:
 
     def install(self, module) -> list:
         """Hook `module` (the model, or its decoder); returns the hooks' handles."""
-        return [module.register_forward_pre_hook(self._enter, with_kwargs=True, prepend=True),
-                module.register_forward_pre_hook(self._check, with_kwargs=True),
-                module.register_forward_hook(self._after, with_kwargs=True),
-                module.register_forward_hook(self._exit, with_kwargs=True, always_call=True)]
+        hooks = [self._enter, self._check, self._after, self._exit]
+        if module is self.patch.model:
+            hooks = [torch.compiler.disable(h) for h in hooks]
+        enter, check, after, exit_ = hooks
+        return [module.register_forward_pre_hook(enter, with_kwargs=True, prepend=True),
+                module.register_forward_pre_hook(check, with_kwargs=True),
+                module.register_forward_hook(after, with_kwargs=True),
+                module.register_forward_hook(exit_, with_kwargs=True, always_call=True)]
 
     def _inner(self, module) -> bool:
         patch = self.patch
@@ -75,12 +79,21 @@ class ForwardHooks:
             # a prompt's forward; a chunk of a chunked prefill is not (the chunk loop runs the after-prompt step)
             state.prefilling = state.probe is None and state.chunked_prompt is None and cache.get_seq_length() == 0
             forward.was_empty, forward.marks = cache.get_seq_length() == 0, cache.append_marks()
+            if cache.capture_reserve is not None and not state.prefilling and state.probe is None \
+                    and state.chunked_prompt is None:
+                cache.prepare_step(_new_tokens(args, kwargs))  # the room a captured step writes into
         forward.checked = True
 
     def _after(self, module, args, kwargs, output):
         if self._inner(module):
             return
         cache = given_cache(kwargs)
+        if isinstance(cache, KVPressCache) and cache.capture_reserve is not None:
+            # a traced step appended by index; its storage work (a codec's flush) runs here, outside the graph
+            for layer in cache.settle_step():
+                for part in self.patch.policy.parts():
+                    if isinstance(part, Codec):
+                        part.store(layer)
         if isinstance(cache, KVPressCache) and cache.forward_state.prefilling:
             self.after_prompt(cache, kwargs, args)
         self.patch.live.forwards[-1].done = True
@@ -148,6 +161,11 @@ class ForwardHooks:
             state.probe = None
             cache.restore(saved)
             state.token_mask = mask
+
+
+def _new_tokens(args, kwargs) -> int:
+    tokens = kwargs.get("input_ids", args[0] if args else None)
+    return (tokens if tokens is not None else kwargs["inputs_embeds"]).shape[1]
 
 
 def _after_failure(forward: ForwardInFlight) -> None:

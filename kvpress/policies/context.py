@@ -97,7 +97,7 @@ class Context:
     def query_positions(self, last: int | None = None) -> torch.Tensor:
         """Raw positions of the (last `last`) query rows of this forward."""
         last = self.q_len if last is None else last
-        return torch.arange(self.layer.seen - last, self.layer.seen, device=self.query.device)
+        return self.layer.newest_positions(last).to(self.query.device)
 
     def key_logits(self, query: torch.Tensor, upto: int | None = None) -> torch.Tensor:
         """fp32 logits [B, Hkv, g, r, upto] of query rows against the stored slots (dense or quantized)."""

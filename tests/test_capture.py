@@ -1,0 +1,154 @@
+"""Captured decode steps (cache/room.py): torch.compile(model, fullgraph=True) of a patched model's decode step,
+checked against the same steps run eagerly on a cache without a reserve.
+
+Static shapes are checked with dynamic=False: every Python int a traced step read, and every shape it saw, is then a
+guard, so a step that read a count changing per step, or grew a tensor, would compile again at the next step. A
+backend that records each graph counts the compilations; fullgraph=True turns any graph break (a host sync, an
+untraceable call) into an error.
+"""
+
+import pytest
+import torch
+import torch._dynamo as dynamo
+
+import kvpress
+from kvpress import KVPressCache
+from kvpress.calibration import calibrate
+from tests.conftest import tiny_model
+from tests.test_calibrated import TOK
+
+CODEC = dict(bits=4, group_size=16, residual_length=16)
+CASES = [("none", {}), ("snapkv", dict(compression_ratio=0.5, window_size=8)),
+         ("keydiff", dict(compression_ratio=0.5)), ("kvzap", dict(compression_ratio=0.5)),
+         ("kivi", CODEC), ("gear", CODEC), ("snapkv+kivi", dict(compression_ratio=0.5, **CODEC))]
+PROMPT, STEPS = 60, 20
+
+
+@pytest.fixture(scope="module")
+def calibration_file(tmp_path_factory):
+    calibration = calibrate(tiny_model("llama"), TOK, n_texts=3, n_tokens=120, held_out=1, tokens_per_text=80,
+                            log=lambda *a: None)
+    path = tmp_path_factory.mktemp("calibration") / "tiny.safetensors"
+    calibration.save(path)
+    return path
+
+
+class Graphs:
+    """A torch.compile backend that runs each graph as traced and records it."""
+
+    def __init__(self):
+        self.graphs = []
+
+    def __call__(self, gm, example_inputs):
+        self.graphs.append(gm)
+        return gm.forward
+
+    def scalar_inputs(self) -> int:
+        return sum(node.op == "placeholder" and not isinstance(node.meta.get("example_value"), torch.Tensor)
+                   for gm in self.graphs for node in gm.graph.nodes)
+
+
+def _decode_both(policy, params, reserve, steps=STEPS, calibration=None):
+    """Prefill one prompt into two caches, then decode `steps` greedy tokens: eagerly on a cache without a reserve,
+    and through torch.compile(fullgraph=True, dynamic=False) on one with `reserve`. Returns (graphs, compilations
+    seen after each step, the two caches, the layers' quantized lengths after each eager step)."""
+    if calibration is not None:
+        params = dict(params, calibration=str(calibration))
+    model = tiny_model("llama")
+    ids = torch.randint(3, 128, (1, PROMPT), generator=torch.Generator().manual_seed(0))
+    graphs, counts, codes = Graphs(), [], []
+    dynamo.reset()
+    with kvpress.patch_model(model, policy, **params), torch.no_grad():
+        eager, captured = KVPressCache(model.config), KVPressCache(model.config, capture_reserve=reserve)
+        token = model(ids, cache=eager).logits[:, -1:].argmax(-1)
+        model(ids, cache=captured)
+        step = torch.compile(model, fullgraph=True, dynamic=False, backend=graphs)
+        for i in range(steps):
+            position = torch.tensor([[PROMPT + i]])
+            want = model(token, cache=eager, position_ids=position).logits
+            got = step(token, cache=captured, position_ids=position).logits
+            torch.testing.assert_close(got, want)
+            token = want[:, -1:].argmax(-1)
+            counts.append(len(graphs.graphs))
+            codes.append(tuple(layer.quantized_len for _, layer in eager.kvpress_layers()))
+    dynamo.reset()
+    return graphs, counts, eager, captured, codes
+
+
+@pytest.mark.parametrize("policy,params", CASES, ids=[c[0] for c in CASES])
+def test_a_captured_decode_step_equals_eager_and_keeps_its_shapes(policy, params, calibration_file):
+    """Every step's logits equal the eager step's; the step compiles once, and again only after a step that moved
+    tokens into low-bit codes (an event: the codes' shapes change); no graph takes a Python number."""
+    graphs, counts, eager, captured, codes = _decode_both(policy, params, reserve=32,
+                                                          calibration=calibration_file if policy == "kvzap" else None)
+    # a flush in step i's settling (after its graph) changes the shapes step i + 1 traces
+    events = [i for i in range(1, STEPS) if codes[i] != codes[i - 1]]
+    expected = [1 + sum(e < i for e in events) for i in range(STEPS)]
+    assert counts == expected
+    if "kivi" in policy or "gear" in policy:
+        assert events, "the steps should cross a low-bit flush"
+    else:
+        assert counts == [1] * STEPS
+    assert graphs.scalar_inputs() == 0
+    for (_, a), (_, b) in zip(eager.kvpress_layers(), captured.kvpress_layers()):
+        assert (a.seen, a.appended, a.view_width, a.quantized_len) == (b.seen, b.appended, b.view_width,
+                                                                       b.quantized_len)
+        torch.testing.assert_close(a.keys_view(), b.keys_view())
+        assert torch.equal(a.key_positions(), b.key_positions()) and torch.equal(a.key_valid(), b.key_valid())
+
+
+def test_the_reserve_is_counted_and_bounded():
+    """The room's buffers are in nbytes whole (reserved + used), and a room holds the tail + the reserve at most."""
+    _, _, eager, captured, _ = _decode_both("snapkv", dict(compression_ratio=0.5, window_size=8), reserve=8, steps=6)
+    for (_, a), (_, b) in zip(eager.kvpress_layers(), captured.kvpress_layers()):
+        room = b.room
+        assert room.capacity <= room.filled + 1 + 8
+        tail = b.tail
+        used = sum(t.numel() * t.element_size() for t in (tail.data.keys, tail.data.values))
+        held = sum(t.numel() * t.element_size() for t in (room.segment.data.keys, room.segment.data.values))
+        assert held > used  # reserved slots ...
+        rest = sum(t.numel() * t.element_size() for s in b.segments[:-1] for t in s.tensors())
+        assert b.nbytes() == rest + room.nbytes()  # ... all counted
+
+
+def test_a_used_up_reserve_grows_as_an_event():
+    """With a reserve of 4 the room grows every few steps: the step compiles again then (new shapes), and only then;
+    the tokens stay the eager ones."""
+    _, counts, _, captured, _ = _decode_both("none", {}, reserve=4, steps=12)
+    growths = len(set(counts))
+    assert 2 <= growths <= 4 and counts == sorted(counts)
+
+
+def test_the_model_hooks_run_outside_the_graph():
+    """The patch's model-level hooks (argument checks, the thread-safety count of calls in flight) run on every call
+    of the compiled model: a bad argument is refused by the compiled step too, and no call stays counted."""
+    model = tiny_model("llama")
+    ids = torch.randint(3, 128, (1, 20), generator=torch.Generator().manual_seed(1))
+    with kvpress.patch_model(model, "snapkv", compression_ratio=0.5) as patch, torch.no_grad():
+        cache = KVPressCache(model.config, capture_reserve=8)
+        token = model(ids, cache=cache).logits[:, -1:].argmax(-1)
+        step = torch.compile(model, fullgraph=True, backend=Graphs())
+        step(token, cache=cache, position_ids=torch.tensor([[20]]))
+        with pytest.raises(ValueError, match="output_attentions"):
+            step(token, cache=cache, position_ids=torch.tensor([[21]]), output_attentions=True)
+        assert cache.patched_forwards == 0 and patch._running == 0
+    dynamo.reset()
+
+
+@pytest.mark.parametrize("reserve", [0, -1, 1.5, True, "8"])
+def test_capture_reserve_is_checked(reserve):
+    with pytest.raises(ValueError, match="capture_reserve"):
+        KVPressCache(tiny_model("llama").config, capture_reserve=reserve)
+
+
+@pytest.mark.parametrize("policy,params", [("h2o", dict(compression_ratio=0.5)), ("quest", dict(budget=24))])
+def test_a_policy_that_changes_decode_steps_refuses_a_reserve(policy, params):
+    """Decode-time eviction and per-step reads do not capture yet: a cache with a reserve is refused with the reason,
+    before the forward changes anything."""
+    model = tiny_model("llama")
+    ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(2))
+    with kvpress.patch_model(model, policy, **params), torch.no_grad():
+        cache = KVPressCache(model.config, capture_reserve=8)
+        with pytest.raises(ValueError, match="capture_reserve=8"):
+            model(ids, cache=cache)
+        assert cache.get_seq_length() == 0
