@@ -20,6 +20,10 @@ Sections (--sections, comma list; default all):
               wall-clock speedup over plain greedy, greedy identity (exit status 1 if any row differs). Real
               weights with --smollm2-dir; otherwise a random-init SmolLM2-shaped model, whose acceptance rates are
               NOT meaningful (the timings of the machinery are).
+  capture  7. the same 8B-shaped model at 32K/128K, batch 1 and 8: the whole forward compiled (fullgraph; inductor +
+              CUDA graphs by default, --capture-backend), transformers' StaticCache beside kvpress none / snapkv 0.9 /
+              kivi 4-bit / snapkv 0.9 + kivi 4-bit on KVPressCache(capture_reserve=...): ms per step, the ratio to
+              StaticCache and to the roofline (weights + cache bytes) / copy bandwidth.
 
 Commands. Here (no CUDA) the script refuses, except the CPU smoke run of section 2 (tiny shapes, fp32, Triton in
 interpreter mode; what tests/test_gpu_suite.py runs):
@@ -40,6 +44,8 @@ if it stops before its 500 shapes, run it alone with --time-limit 570.
     python3 benchmarks/gpu_suite.py --sections e2e --e2e-contexts 131072 --out $OUT/suite
     python3 benchmarks/gpu_suite.py --sections long --out $OUT/suite
     python3 benchmarks/gpu_suite.py --sections spec --out $OUT/suite    # random-init SmolLM2 shape
+    python3 benchmarks/gpu_suite.py --sections capture --e2e-contexts 32768 --out $OUT/suite
+    python3 benchmarks/gpu_suite.py --sections capture --e2e-contexts 131072 --out $OUT/suite
     python3 benchmarks/gpu_suite.py --sections spec --smollm2-dir DIR --out $OUT/suite   # real weights
 
 Real SmolLM2 weights (section 6 only). The converted checkpoint (~/.cache/kvpress/models/smollm2) is 517 MB
@@ -825,6 +831,104 @@ def section_e2e(args, device, report, sec, deadline):
         _plot_e2e(report.out / "e2e.png", decode_rows)
 
 
+# ---------------------------------------------------------------------------- 7. captured decode steps
+CAPTURE_CONFIGS = [("none", "none", {}), ("snapkv 0.9", "snapkv", dict(compression_ratio=0.9)),
+                   ("kivi 4-bit", "kivi", dict(bits=4)),
+                   ("snapkv 0.9 + kivi 4-bit", "snapkv+kivi", dict(compression_ratio=0.9, bits=4))]
+
+
+def compiled_step(model, backend: str):
+    """torch.compile of the whole model's forward as one graph: inductor with CUDA graphs (reduce-overhead),
+    torch's cudagraphs backend (no code generation: the eager kernels, replayed), or eager (a CPU smoke run)."""
+    if backend == "inductor":
+        return torch.compile(model, fullgraph=True, mode="reduce-overhead")
+    return torch.compile(model, fullgraph=True, backend=backend)
+
+
+def captured_decode(model, policy, params, ids, steps, warmup, backend="inductor", chunk=None) -> dict:
+    """ms per decode step of the compiled model over a cache whose decode steps keep their shapes: kvpress's with a
+    reserve for every step (policy None: the unpatched model on transformers' StaticCache, the stock baseline)."""
+    from transformers import StaticCache
+
+    batch, context = ids.shape
+    total = warmup + steps
+    timing = ids.is_cuda
+
+    def run(cache) -> dict:
+        token = model(input_ids=ids, past_key_values=cache, logits_to_keep=1).logits[:, -1:].argmax(-1)
+        step = compiled_step(model, backend)
+        times = []
+        for i in range(total):
+            position = torch.full((batch, 1), context + i, device=ids.device)
+            if timing:
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            token = step(input_ids=token, past_key_values=cache, position_ids=position).logits[:, -1:].argmax(-1)
+            if timing:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        measured = sorted(times[warmup:])
+        return dict(step_ms=1e3 * measured[len(measured) // 2], first_ms=1e3 * times[0], kv_bytes=_cache_bytes(cache))
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        if policy is None:
+            return run(StaticCache(config=model.config, max_cache_len=context + total + 1))
+        with kvpress.patch_model(model, policy, prefill_chunk_size=chunk, **params):
+            return run(KVPressCache(model.config, capture_reserve=total + 1))
+
+
+def _cache_bytes(cache) -> int:
+    if isinstance(cache, KVPressCache):
+        return cache.nbytes()
+    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+
+
+def section_capture(args, device, report, sec, deadline):
+    contexts = _ints(args.e2e_contexts or ("4096" if args.quick else "32768,131072"))
+    batches = _ints(args.e2e_batches or "1,8")
+    layers = args.layers or (2 if args.quick else 32)
+    steps, warmup = (8, 3) if args.quick else (args.decode_steps, 3)
+    bw = copy_bandwidth()
+    model = llama8b(layers, max(contexts) + steps + warmup + 16)
+    weights = weight_bytes_read(model)
+    sec["notes"] += [
+        f"Random-init Llama-3.1-8B shape ({layers} layers, bf16, sdpa). Every row compiles the whole model forward "
+        f"(torch.compile fullgraph, backend {args.capture_backend}) and decodes {warmup} warm-up + {steps} timed "
+        f"steps (median, host clock around each synchronised step). The baseline is the unpatched model on "
+        f"transformers' StaticCache; kvpress rows use KVPressCache(capture_reserve=steps). Roofline = (weight bytes "
+        f"+ cache bytes) / copy bandwidth ({bw / 1e9:,.0f} GB/s).",
+    ]
+    rows = report.table(sec, "captured decode step", [
+        ("context", "context"), ("batch", "batch"), ("config", "config"), ("step_ms", "ms/step"),
+        ("vs_static", "x StaticCache"), ("roofline_ms", "roofline ms"), ("x_roofline", "x roofline"),
+        ("kv_gib", "cache GiB"), ("first_ms", "first step ms (compile)"), ("status", "status")])
+    try:
+        for T in contexts:
+            for B in batches:
+                ids = torch.randint(0, model.config.vocab_size, (B, T), device=device)
+                base = None
+                for label, policy, params in [("transformers StaticCache", None, {}), *CAPTURE_CONFIGS]:
+                    deadline.check()
+                    row = dict(context=T, batch=B, config=label)
+                    rows.append(row)
+                    out, why = attempt(captured_decode, model, policy, params, ids, steps, warmup,
+                                       args.capture_backend, args.chunk or 8192)
+                    row["status"] = why or "ok"
+                    if out:
+                        roof = (weights + out["kv_bytes"]) / bw
+                        base = out["step_ms"] if policy is None else base
+                        row.update(step_ms=out["step_ms"], first_ms=out["first_ms"], kv_gib=out["kv_bytes"] / GIB,
+                                   roofline_ms=roof * 1e3, x_roofline=out["step_ms"] / (roof * 1e3),
+                                   vs_static=None if base is None else out["step_ms"] / base)
+                    report.write()
+    finally:
+        for r in rows:
+            r.setdefault("status", "stopped (time limit)")
+        del model
+        free_memory()
+
+
 def _plot_e2e(path, rows):
     try:
         import matplotlib
@@ -1055,8 +1159,9 @@ SECTIONS = {
     "e2e": ("4. End to end: Llama-3.1-8B-shaped model, random init, bf16", section_e2e),
     "long": ("5. 1M-token context: chunked prefill + compression + low-bit storage", section_long),
     "spec": ("6. Self-speculation on SmolLM2", section_spec),
+    "capture": ("7. Captured decode steps: torch.compile + CUDA graphs, kvpress beside StaticCache", section_capture),
 }
-_NUMBERS = {"2": "kernels", "3": "speed", "4": "e2e", "5": "long", "6": "spec"}
+_NUMBERS = {"2": "kernels", "3": "speed", "4": "e2e", "5": "long", "6": "spec", "7": "capture"}
 
 
 def _ints(text: str) -> list[int]:
@@ -1066,8 +1171,8 @@ def _ints(text: str) -> list[int]:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="gpu_suite_out", help="output folder (results.json, summary.md, plots)")
-    p.add_argument("--sections", default="kernels,speed,e2e,long,spec",
-                   help=f"comma list of {list(SECTIONS)} (or their numbers 2-6)")
+    p.add_argument("--sections", default="kernels,speed,e2e,long,spec,capture",
+                   help=f"comma list of {list(SECTIONS)} (or their numbers 2-7)")
     p.add_argument("--quick", action="store_true", help="small shapes and lengths: a first smoke run")
     p.add_argument("--cpu-dry-run", action="store_true",
                    help="no CUDA needed: section 2 only, on CPU, tiny shapes, Triton interpreted (the CI path)")
@@ -1085,6 +1190,9 @@ def parse_args(argv=None):
     g.add_argument("--e2e-batches", default=None)
     g.add_argument("--e2e-prefill-batches", default=None, help="batches that also get a chunked-prefill row")
     g.add_argument("--decode-steps", type=int, default=16)
+    g.add_argument("--capture-backend", default="inductor", choices=["inductor", "cudagraphs", "eager"],
+                   help="section 7's torch.compile: inductor + CUDA graphs (reduce-overhead), torch's cudagraphs "
+                        "backend (eager kernels replayed, quick to compile), or eager (no graphs)")
     g.add_argument("--chunk", type=int, default=None,
                    help="prefill_chunk_size of section 4's chunked prefill (default 8192; quick 1024)")
     g.add_argument("--long-context", type=int, default=None)
@@ -1120,7 +1228,7 @@ def main(argv=None) -> int:
         for name in args.sections.split(","):
             name = _NUMBERS.get(name.strip(), name.strip())
             if name not in SECTIONS:
-                print(f"--sections: {name!r} is unknown; allowed: {list(SECTIONS)} or 2-6", file=sys.stderr)
+                print(f"--sections: {name!r} is unknown; allowed: {list(SECTIONS)} or 2-7", file=sys.stderr)
                 return 2
             sections.append(name)
     report = Report(Path(args.out), system_info(device), vars(args))

@@ -41,3 +41,21 @@ def test_without_cuda_the_suite_refuses_in_one_line(tmp_path):
     assert proc.returncode == 2
     assert "needs a CUDA device" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "out").exists()
+
+
+def test_the_captured_decode_section_runs_on_cpu():
+    """Section 7's measurement off the GPU (eager backend, tiny model): StaticCache and kvpress configs with a reserve
+    decode through one compiled graph each and report their bytes."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import gpu_suite
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    from tests.conftest import tiny_model
+
+    model = tiny_model("llama")
+    ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(0))
+    codec = dict(bits=4, group_size=16, residual_length=16)
+    for policy, params in [(None, {}), ("none", {}), ("snapkv+kivi", dict(compression_ratio=0.5, **codec))]:
+        out = gpu_suite.captured_decode(model, policy, params, ids, steps=4, warmup=2, backend="eager")
+        assert out["step_ms"] > 0 and out["kv_bytes"] > 0
