@@ -152,3 +152,22 @@ def test_a_policy_that_changes_decode_steps_refuses_a_reserve(policy, params):
         with pytest.raises(ValueError, match="capture_reserve=8"):
             model(ids, cache=cache)
         assert cache.get_seq_length() == 0
+
+
+def test_a_fork_keeps_its_tokens_while_the_original_decodes_into_its_room():
+    """A room is written in place; a fork shares the tail's tensors, so the original gives up its room and the fork's
+    tokens never change."""
+    model = tiny_model("llama")
+    ids = torch.randint(3, 128, (1, 30), generator=torch.Generator().manual_seed(3))
+    with kvpress.patch_model(model, "none"), torch.no_grad():
+        cache = KVPressCache(model.config, capture_reserve=16)
+        token = model(ids, cache=cache).logits[:, -1:].argmax(-1)
+        for _ in range(3):
+            token = model(token, cache=cache).logits[:, -1:].argmax(-1)
+        fork = cache.fork()
+        before = [(layer.keys_view().clone(), layer.key_positions().clone()) for _, layer in fork.kvpress_layers()]
+        cache.crop(-2)
+        for _ in range(4):
+            token = model(token, cache=cache).logits[:, -1:].argmax(-1)
+        for (keys, positions), (_, layer) in zip(before, fork.kvpress_layers()):
+            assert torch.equal(layer.keys_view(), keys) and torch.equal(layer.key_positions(), positions)

@@ -102,7 +102,7 @@ class KVPressLayer(CacheLayerMixin):
         out.segments = list(self.segments)
         out.policy_stats = dict(self.policy_stats)
         out.derived = {}
-        out.room = None  # buffers one layer writes in place
+        out.room = self.room = None  # a room is written in place: neither copy may keep writing into shared slots
         return out
 
     __copy__ = fork
