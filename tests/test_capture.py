@@ -18,9 +18,13 @@ from tests.conftest import tiny_model
 from tests.test_calibrated import TOK
 
 CODEC = dict(bits=4, group_size=16, residual_length=16)
-CASES = [("none", {}), ("snapkv", dict(compression_ratio=0.5, window_size=8)),
-         ("keydiff", dict(compression_ratio=0.5)), ("kvzap", dict(compression_ratio=0.5)),
-         ("kivi", CODEC), ("gear", CODEC), ("snapkv+kivi", dict(compression_ratio=0.5, **CODEC))]
+CUTS = dict(compression_ratio=0.5, slack=4)  # decode-time evictors cut every 5 steps
+CASES = [("none", "none", {}), ("snapkv", "snapkv", dict(compression_ratio=0.5, window_size=8)),
+         ("keydiff", "keydiff", dict(compression_ratio=0.5)), ("kvzap", "kvzap", dict(compression_ratio=0.5)),
+         ("kivi", "kivi", CODEC), ("gear", "gear", CODEC),
+         ("snapkv+kivi", "snapkv+kivi", dict(compression_ratio=0.5, **CODEC)),
+         ("h2o", "h2o", CUTS), ("tova", "tova", CUTS), ("streaming_llm", "streaming_llm", CUTS),
+         ("snapkv decode_budget", "snapkv", dict(compression_ratio=0.5, decode_budget=8, slack=4))]
 PROMPT, STEPS = 60, 20
 
 
@@ -51,7 +55,7 @@ class Graphs:
 def _decode_both(policy, params, reserve, steps=STEPS, calibration=None):
     """Prefill one prompt into two caches, then decode `steps` greedy tokens: eagerly on a cache without a reserve,
     and through torch.compile(fullgraph=True, dynamic=False) on one with `reserve`. Returns (graphs, compilations
-    seen after each step, the two caches, the layers' quantized lengths after each eager step)."""
+    seen after each step, the two caches, the layers' (quantized lengths, widths) after each eager step)."""
     if calibration is not None:
         params = dict(params, calibration=str(calibration))
     model = tiny_model("llama")
@@ -70,25 +74,28 @@ def _decode_both(policy, params, reserve, steps=STEPS, calibration=None):
             torch.testing.assert_close(got, want)
             token = want[:, -1:].argmax(-1)
             counts.append(len(graphs.graphs))
-            codes.append(tuple(layer.quantized_len for _, layer in eager.kvpress_layers()))
+            codes.append(tuple((layer.quantized_len, layer.view_width) for _, layer in eager.kvpress_layers()))
     dynamo.reset()
     return graphs, counts, eager, captured, codes
 
 
-@pytest.mark.parametrize("policy,params", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("policy,params", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_a_captured_decode_step_equals_eager_and_keeps_its_shapes(policy, params, calibration_file):
     """Every step's logits equal the eager step's; the step compiles once, and again only after a step that moved
-    tokens into low-bit codes (an event: the codes' shapes change); no graph takes a Python number."""
-    graphs, counts, eager, captured, codes = _decode_both(policy, params, reserve=32,
-                                                          calibration=calibration_file if policy == "kvzap" else None)
+    tokens into low-bit codes (an event: the codes' shapes change); a decode-time evictor's cut (every slack + 1
+    steps, on the host) leaves the room's shapes as they were: no new compilation. No graph takes a Python number."""
+    graphs, counts, eager, captured, shapes = _decode_both(policy, params, reserve=32,
+                                                           calibration=calibration_file if policy == "kvzap" else None)
     # a flush in step i's settling (after its graph) changes the shapes step i + 1 traces
-    events = [i for i in range(1, STEPS) if codes[i] != codes[i - 1]]
-    expected = [1 + sum(e < i for e in events) for i in range(STEPS)]
-    assert counts == expected
+    flushes = [i for i in range(1, STEPS) if shapes[i][0][0] != shapes[i - 1][0][0]]
+    assert counts == [1 + sum(f < i for f in flushes) for i in range(STEPS)]
     if "kivi" in policy or "gear" in policy:
-        assert events, "the steps should cross a low-bit flush"
+        assert flushes, "the steps should cross a low-bit flush"
     else:
         assert counts == [1] * STEPS
+    if params.get("slack"):
+        cuts = [i for i in range(1, STEPS) if shapes[i][0][1] < shapes[i - 1][0][1]]
+        assert len(cuts) >= 2, "the steps should cross cuts"
     assert graphs.scalar_inputs() == 0
     for (_, a), (_, b) in zip(eager.kvpress_layers(), captured.kvpress_layers()):
         assert (a.seen, a.appended, a.view_width, a.quantized_len) == (b.seen, b.appended, b.view_width,
@@ -143,8 +150,8 @@ def test_capture_reserve_is_checked(reserve):
 
 @pytest.mark.parametrize("policy,params", [("h2o", dict(compression_ratio=0.5)), ("quest", dict(budget=24))])
 def test_a_policy_that_changes_decode_steps_refuses_a_reserve(policy, params):
-    """Decode-time eviction and per-step reads do not capture yet: a cache with a reserve is refused with the reason,
-    before the forward changes anything."""
+    """Eviction at every step (slack 0) and per-step reads do not capture (yet): a cache with a reserve is refused
+    with the reason, before the forward changes anything."""
     model = tiny_model("llama")
     ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(2))
     with kvpress.patch_model(model, policy, **params), torch.no_grad():

@@ -115,10 +115,13 @@ class KVPressLayer(CacheLayerMixin):
 
     @property
     def segments(self) -> list[Segment]:  # (traced code of a captured step sees the whole room as the tail)
-        return [*self._segments[:-1], self.room.segment] if self.captured else self._segments
+        return (*self._segments[:-1], self.room.segment) if self.captured else self._segments
 
     @segments.setter
     def segments(self, value: list[Segment]) -> None:
+        if self.captured:  # (a tuple above: an item assignment fails as loudly)
+            raise RuntimeError("a captured decode step cannot restructure a layer's storage; that runs on the host "
+                               "after the step (room.py)")
         self._segments = value
 
     @property
@@ -189,6 +192,9 @@ class KVPressLayer(CacheLayerMixin):
 
     def mark_changed(self) -> None:
         """The layer just changed in a way a rollback cannot undo (evicted, re-encoded, rescored earlier slots)."""
+        if self.captured:
+            self.room.changed = True  # the host marks it when it counts the step (room.settle)
+            return
         self.rollback_floor = self.seen
 
     def token_index(self) -> torch.Tensor:
@@ -200,18 +206,7 @@ class KVPressLayer(CacheLayerMixin):
     def forget_newest(self, n: int) -> None:
         """Forget the `n` newest tokens seen (observation tokens: a policy's eviction already dropped them, a policy
         that evicted nothing did not), wherever their slots are; seen steps back."""
-        if n == 0 or not self.is_initialized:
-            return
-        new_seen = self.seen - n
-        valid = self.key_valid()
-        kept = valid & (self.key_positions() < new_seen)
-        if bool((kept != valid).any()):
-            width = int(kept.sum(-1).max())
-            order = (~kept).long().argsort(dim=-1, stable=True)[..., :width]  # the other slots, in slot order
-            self.compact(order, kept.gather(-1, order))
-        self.seen = new_seen
-        self.decode_start = min(self.decode_start, new_seen)
-        self.rollback_floor = min(self.rollback_floor, new_seen)  # observers' evictions count as the chunk's
+        rollback.forget_newest(self, n)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self.batch_select_indices(beam_idx)

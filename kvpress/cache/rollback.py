@@ -5,6 +5,7 @@ everything else (an eviction, a low-bit flush, policy state of earlier slots), w
 the full-precision values and the old scores are gone. Every such change records the tokens seen at that moment
 (`layer.rollback_floor`, set by `layer.mark_changed()`); a crop to fewer tokens than that is refused before
 anything changes, so a crop either gives back the layer exactly as it was at that length, or raises.
+`forget_newest` drops a forward's observation tokens wherever their slots are (not a rollback: seen steps back).
 """
 
 from __future__ import annotations
@@ -59,3 +60,19 @@ def appends_before_flush(layer, residual: int, group: int) -> int:
         return layer.quantized_len + residual + group - 1 - layer.view_width
     full_precision = sum(s.counts() for s in layer.segments if not s.low_bit)  # per head
     return int((residual + group - 1 - full_precision).min())
+
+
+def forget_newest(layer, n: int) -> None:
+    """Forget the `n` newest tokens seen, wherever their slots are (KVPressLayer.forget_newest)."""
+    if n == 0 or not layer.is_initialized:
+        return
+    new_seen = layer.seen - n
+    valid = layer.key_valid()
+    kept = valid & (layer.key_positions() < new_seen)
+    if bool((kept != valid).any()):
+        width = int(kept.sum(-1).max())
+        order = (~kept).long().argsort(dim=-1, stable=True)[..., :width]  # the other slots, in slot order
+        layer.compact(order, kept.gather(-1, order))
+    layer.seen = new_seen
+    layer.decode_start = min(layer.decode_start, new_seen)
+    layer.rollback_floor = min(layer.rollback_floor, new_seen)  # observers' evictions count as the chunk's

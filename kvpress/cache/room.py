@@ -41,6 +41,8 @@ class TailRoom:
     explicit_valid: bool = False  # the exact tail carries a validity tensor (padding, fillers, or a mask was given)
     ready: bool = False  # prepared for the forward in flight (set by prepare, cleared by settle)
     pending: int = 0  # tokens a traced step appended that the host has not counted yet
+    changed: bool = False  # the traced step changed earlier slots (per-slot state): a rollback cannot pass it
+    context: object = None  # the traced step's policy Context, for the policy's decode hook on the host
     states: tuple = field(default_factory=tuple)  # names of the per-slot states the room carries
 
     @property
@@ -132,8 +134,8 @@ def settle(layer) -> None:
     room = layer.room
     if room is None or not room.ready:
         return
-    q_len = room.pending
-    room.ready, room.pending = False, 0
+    q_len, changed = room.pending, room.changed
+    room.ready, room.pending, room.changed = False, 0, False
     if room.issued is not layer.tail_exact:
         return  # the forward changed the tail otherwise (an eager policy step): the room is rebuilt next time
     room.filled += q_len
@@ -142,6 +144,8 @@ def settle(layer) -> None:
     if q_len:
         layer.last_q_len = q_len
     layer.segments[-1] = room.issued = exact_tail(layer, room)
+    if changed:
+        layer.mark_changed()
 
 
 def exact_tail(layer, room: TailRoom) -> Segment:

@@ -126,6 +126,13 @@ def add_state(layer, name: str, values: torch.Tensor) -> None:
     """Per-slot state `name` += values [B, Hkv, T] over the padded view (never set: zeros). A layer that is one
     rectangle (every decode-time evictor's, between cuts) adds in one op, without joining and re-slicing."""
     tail = layer.tail
+    if layer.captured:  # the room's state buffer, in place (a captured step keeps its tensors)
+        if len(layer.segments) != 1 or name not in tail.state:
+            raise RuntimeError(f"a captured decode step adds per-slot state {name!r} in place, into a layer of one "
+                               f"segment that carries it; this layer has {len(layer.segments)} segments")
+        tail.state[name].add_(values.to(tail.state[name].dtype))
+        layer.mark_changed()
+        return
     if len(layer.segments) == 1 and not tail.flat:
         old = tail.state.get(name)
         summed = values if old is None else old + values

@@ -88,9 +88,10 @@ def kvpress_attention(module, query, key, value, attention_mask, **kwargs):
         if phase == "probe":
             state.probe(ctx)
         elif layer.captured:
-            # a policy that captures (checks.captures) changes nothing in a decode step but a codec's flush, which
-            # the host runs after the graph (forwards.py)
+            # what a policy observes runs in the graph (in place); its decode hook, which may restructure the layer
+            # (a codec's flush, an evictor's cut every slack + 1 steps), runs on the host after it (forwards.py)
             policy.observe(ctx)
+            layer.room.context = ctx
         else:
             _policy_step(policy, ctx)
     return output, None
@@ -100,10 +101,17 @@ def _policy_step(policy: Policy, ctx: Context) -> None:
     policy.observe(ctx)
     if ctx.phase == "prefill":
         policy.on_prefill(ctx)
-    elif ctx.phase == "decode":
-        policy.on_decode(ctx)
     else:
-        policy.on_extend(ctx)
+        after_step(policy, ctx)
+
+
+def after_step(policy: Policy, ctx: Context) -> None:
+    """The policy's hook after a decode or extend step has attended (on the host, after a captured step's graph)."""
+    with torch.no_grad():
+        if ctx.phase == "decode":
+            policy.on_decode(ctx)
+        else:
+            policy.on_extend(ctx)
 
 
 def _selection(view, ctx: Context):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from ..cache import KVPressCache
-from ..policies import Codec
+from ..policies import Codec, ReadView
 from .hf import given_cache
 from .registry import patch_of
 
@@ -53,15 +53,18 @@ def check_forward(patch, decoder, args, kwargs) -> None:
     if cache.capture_reserve is not None and (busy := [p for p in patch.policy.parts() if not captures(p)]):
         raise ValueError(f"KVPressCache(capture_reserve={cache.capture_reserve}): {busy[0].describe()} "
                          f"{busy[0].decode_change}, which a decode step of fixed shapes cannot do yet; allowed: "
-                         f"capture_reserve=None, or policies whose decode steps only append or store low-bit codes "
-                         f"(none, eviction at prefill such as snapkv / kvzap / keydiff, kivi, gear, and their "
-                         f"compositions)")
+                         f"capture_reserve=None, or policies whose decode steps only append, store low-bit codes or "
+                         f"evict with slack >= 1 (none, snapkv / kvzap / keydiff at prefill, kivi, gear, h2o / tova / "
+                         f"streaming_llm with slack, and their compositions)")
 
 
 def captures(policy) -> bool:
-    """A decode step of this policy has fixed shapes given a room (cache/room.py): it only appends (no decode
-    change), or is a codec whose flush runs on the host after the step."""
-    return policy.decode_change is None or isinstance(policy, Codec)
+    """A decode step of this policy has fixed shapes given a room (cache/room.py): it only appends (no decode change),
+    or restructures the layer on the host after the step, at most every few steps (a codec's flush; an evictor's
+    cut with slack >= 1). A read view picks its slots in the step (not yet)."""
+    if policy.decode_change is None or isinstance(policy, Codec):
+        return True
+    return not isinstance(policy, ReadView) and getattr(policy, "slack", 0) >= 1
 
 
 def _describe(kinds: tuple, window: int | None) -> str:

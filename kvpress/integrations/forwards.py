@@ -10,6 +10,7 @@ prompt) or refused (anything else).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -17,7 +18,8 @@ import torch
 
 from ..cache import KVPressCache
 from ..heads import SINGLE, HeadShards
-from ..policies.base import Codec, ModelPass
+from ..policies.base import ModelPass
+from .attention import after_step
 from .checks import check_forward
 from .hf import config_heads, given_cache, renamed_for, with_cache
 
@@ -89,11 +91,11 @@ class ForwardHooks:
             return
         cache = given_cache(kwargs)
         if isinstance(cache, KVPressCache) and cache.capture_reserve is not None:
-            # a traced step appended by index; its storage work (a codec's flush) runs here, outside the graph
+            # a traced step appended by index and observed; the policy's decode hook runs here, outside the graph,
+            # on the layer the host has counted (its probabilities were over the whole room: recomputed if read)
             for layer in cache.settle_step():
-                for part in self.patch.policy.parts():
-                    if isinstance(part, Codec):
-                        part.store(layer)
+                ctx, layer.room.context = layer.room.context, None
+                after_step(self.patch.policy, dataclasses.replace(ctx, probs=None))
         if isinstance(cache, KVPressCache) and cache.forward_state.prefilling:
             self.after_prompt(cache, kwargs, args)
         self.patch.live.forwards[-1].done = True
