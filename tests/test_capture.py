@@ -24,7 +24,8 @@ CASES = [("none", "none", {}), ("snapkv", "snapkv", dict(compression_ratio=0.5, 
          ("kivi", "kivi", CODEC), ("gear", "gear", CODEC),
          ("snapkv+kivi", "snapkv+kivi", dict(compression_ratio=0.5, **CODEC)),
          ("h2o", "h2o", CUTS), ("tova", "tova", CUTS), ("streaming_llm", "streaming_llm", CUTS),
-         ("snapkv decode_budget", "snapkv", dict(compression_ratio=0.5, decode_budget=8, slack=4))]
+         ("snapkv decode_budget", "snapkv", dict(compression_ratio=0.5, decode_budget=8, slack=4)),
+         ("quest", "quest", dict(budget=48, page_size=8))]
 PROMPT, STEPS = 60, 20
 
 
@@ -52,29 +53,34 @@ class Graphs:
                    for gm in self.graphs for node in gm.graph.nodes)
 
 
-def _decode_both(policy, params, reserve, steps=STEPS, calibration=None):
+def _decode_both(policy, params, reserve, steps=STEPS, calibration=None, padding=0):
     """Prefill one prompt into two caches, then decode `steps` greedy tokens: eagerly on a cache without a reserve,
     and through torch.compile(fullgraph=True, dynamic=False) on one with `reserve`. Returns (graphs, compilations
-    seen after each step, the two caches, the layers' (quantized lengths, widths) after each eager step)."""
+    seen after each step, the two caches, the layers' (slots of low-bit codes, view widths) after each eager
+    step)."""
     if calibration is not None:
         params = dict(params, calibration=str(calibration))
     model = tiny_model("llama")
-    ids = torch.randint(3, 128, (1, PROMPT), generator=torch.Generator().manual_seed(0))
+    rows = 2 if padding else 1
+    ids = torch.randint(3, 128, (rows, PROMPT), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[-1, :padding] = 0  # the last row is left-padded (the cache keeps which slots are padding)
     graphs, counts, codes = Graphs(), [], []
     dynamo.reset()
     with kvpress.patch_model(model, policy, **params), torch.no_grad():
         eager, captured = KVPressCache(model.config), KVPressCache(model.config, capture_reserve=reserve)
-        token = model(ids, cache=eager).logits[:, -1:].argmax(-1)
-        model(ids, cache=captured)
+        token = model(ids, cache=eager, attention_mask=mask).logits[:, -1:].argmax(-1)
+        model(ids, cache=captured, attention_mask=mask)
         step = torch.compile(model, fullgraph=True, dynamic=False, backend=graphs)
         for i in range(steps):
-            position = torch.tensor([[PROMPT + i]])
+            position = torch.tensor([[PROMPT + i]]) - (mask == 0).sum(-1, keepdim=True)
             want = model(token, cache=eager, position_ids=position).logits
             got = step(token, cache=captured, position_ids=position).logits
             torch.testing.assert_close(got, want)
             token = want[:, -1:].argmax(-1)
             counts.append(len(graphs.graphs))
-            codes.append(tuple((layer.quantized_len, layer.view_width) for _, layer in eager.kvpress_layers()))
+            codes.append(tuple((0 if layer.low_bit is None else layer.low_bit.num_slots, layer.view_width)
+                               for _, layer in eager.kvpress_layers()))
     dynamo.reset()
     return graphs, counts, eager, captured, codes
 
@@ -102,6 +108,17 @@ def test_a_captured_decode_step_equals_eager_and_keeps_its_shapes(policy, params
                                                                        b.quantized_len)
         torch.testing.assert_close(a.keys_view(), b.keys_view())
         assert torch.equal(a.key_positions(), b.key_positions()) and torch.equal(a.key_valid(), b.key_valid())
+
+
+@pytest.mark.parametrize("policy,params", [("quest", dict(budget=48, page_size=8)), ("h2o", CUTS),
+                                           ("snapkv+kivi", dict(compression_ratio=0.5, **CODEC))])
+def test_a_left_padded_batch_decodes_captured_as_eager(policy, params):
+    """A batch whose second row is left-padded (pages and budgets count from its first real token): the captured
+    steps, given no mask (the cache knows the padding), equal the eager ones."""
+    graphs, counts, _, _, shapes = _decode_both(policy, params, reserve=32, padding=7)
+    flushes = [i for i in range(1, STEPS) if shapes[i][0][0] != shapes[i - 1][0][0]]
+    assert counts == [1 + sum(f < i for f in flushes) for i in range(STEPS)]
+    assert graphs.scalar_inputs() == 0
 
 
 def test_the_reserve_is_counted_and_bounded():
@@ -148,10 +165,10 @@ def test_capture_reserve_is_checked(reserve):
         KVPressCache(tiny_model("llama").config, capture_reserve=reserve)
 
 
-@pytest.mark.parametrize("policy,params", [("h2o", dict(compression_ratio=0.5)), ("quest", dict(budget=24))])
+@pytest.mark.parametrize("policy,params", [("h2o", dict(compression_ratio=0.5)), ("retrieval", dict(budget=24))])
 def test_a_policy_that_changes_decode_steps_refuses_a_reserve(policy, params):
-    """Eviction at every step (slack 0) and per-step reads do not capture (yet): a cache with a reserve is refused
-    with the reason, before the forward changes anything."""
+    """Eviction at every step (slack 0) and read views other than quest do not capture (yet): a cache with a reserve
+    is refused with the reason, before the forward changes anything."""
     model = tiny_model("llama")
     ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(2))
     with kvpress.patch_model(model, policy, **params), torch.no_grad():

@@ -120,8 +120,7 @@ class KVPressLayer(CacheLayerMixin):
     @segments.setter
     def segments(self, value: list[Segment]) -> None:
         if self.captured:  # (a tuple above: an item assignment fails as loudly)
-            raise RuntimeError("a captured decode step cannot restructure a layer's storage; that runs on the host "
-                               "after the step (room.py)")
+            raise RuntimeError("a captured decode step cannot restructure a layer (the host does, after it: room.py)")
         self._segments = value
 
     @property
@@ -136,10 +135,15 @@ class KVPressLayer(CacheLayerMixin):
     def explicit_positions(self, value: bool) -> None:
         self._explicit_positions = value
 
+    def first_new_slot(self, q_len: int):
+        """View slot of the first of the forward's q_len new tokens (an int; a device tensor in a captured step)."""
+        if self.captured:
+            return self.tail_start() + self.room.counters[0] + self.room.pending - q_len
+        return self.view_width - q_len
+
     def newest_positions(self, n: int) -> torch.Tensor:
         """[n] positions of the newest n tokens seen (a captured step reads them from the room's counters)."""
-        seen = self.get_seq_length()
-        return seen - n + torch.arange(n, device=self.device)
+        return self.get_seq_length() - n + torch.arange(n, device=self.device)
 
     # ------------------------------------------------------------------ transformers layer API
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -156,8 +160,9 @@ class KVPressLayer(CacheLayerMixin):
         key_states, value_states = key_states.detach(), value_states.detach()
         if self.room is not None and self.room.ready:  # prepared: append by index into the room (room.py)
             rooms.append(self, self.room, key_states, value_states, new_valid)
-            if not torch.compiler.is_compiling():
-                rooms.settle(self)  # eager: count it now (a traced step is counted by the host after the graph)
+            if not torch.compiler.is_compiling():  # eager: count it now (a traced step: the host, after the graph)
+                self.room.derived.clear()  # read-side state a captured step updates in place: rebuilt before one
+                rooms.settle(self)
             return self.tail.data.keys, self.tail.data.values
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)

@@ -43,6 +43,8 @@ class TailRoom:
     pending: int = 0  # tokens a traced step appended that the host has not counted yet
     changed: bool = False  # the traced step changed earlier slots (per-slot state): a rollback cannot pass it
     context: object = None  # the traced step's policy Context, for the policy's decode hook on the host
+    derived: dict = field(default_factory=dict)  # read-side state over the room (a read view's page statistics),
+    #                                              built by the policy before a captured step, updated in it
     states: tuple = field(default_factory=tuple)  # names of the per-slot states the room carries
 
     @property

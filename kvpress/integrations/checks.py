@@ -55,16 +55,18 @@ def check_forward(patch, decoder, args, kwargs) -> None:
                          f"{busy[0].decode_change}, which a decode step of fixed shapes cannot do yet; allowed: "
                          f"capture_reserve=None, or policies whose decode steps only append, store low-bit codes or "
                          f"evict with slack >= 1 (none, snapkv / kvzap / keydiff at prefill, kivi, gear, h2o / tova / "
-                         f"streaming_llm with slack, and their compositions)")
+                         f"streaming_llm with slack, their compositions, quest)")
 
 
 def captures(policy) -> bool:
     """A decode step of this policy has fixed shapes given a room (cache/room.py): it only appends (no decode change),
     or restructures the layer on the host after the step, at most every few steps (a codec's flush; an evictor's
-    cut with slack >= 1). A read view picks its slots in the step (not yet)."""
+    cut with slack >= 1), or is a read view whose selection keeps its shapes (ReadView.captures: quest)."""
     if policy.decode_change is None or isinstance(policy, Codec):
         return True
-    return not isinstance(policy, ReadView) and getattr(policy, "slack", 0) >= 1
+    if isinstance(policy, ReadView):
+        return policy.captures
+    return getattr(policy, "slack", 0) >= 1
 
 
 def _describe(kinds: tuple, window: int | None) -> str:

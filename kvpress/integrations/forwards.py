@@ -84,6 +84,9 @@ class ForwardHooks:
             if cache.capture_reserve is not None and not state.prefilling and state.probe is None \
                     and state.chunked_prompt is None:
                 cache.prepare_step(_new_tokens(args, kwargs))  # the room a captured step writes into
+                for _, layer in cache.kvpress_layers():
+                    if layer.room is not None:
+                        self.patch.policy.prepare_step(layer)  # and what the policy updates in it
         forward.checked = True
 
     def _after(self, module, args, kwargs, output):

@@ -230,9 +230,12 @@ def flat_lowbit_attention_state_reference(queries: Queries, codes: LowBitCodes, 
         hi = min(codes.num_slots, lo + block)
         first = (starts - lo).clamp(0, hi - lo)  # each run's part of this block, relative to the block
         count = (ends - lo).clamp(0, hi - lo) - first
-        width = int(count.max())
-        if width == 0:
-            continue
+        if torch.compiler.is_compiling():
+            width = hi - lo  # a traced step keeps its shapes: the block's width bounds every run's part (ok masks it)
+        else:
+            width = int(count.max())
+            if width == 0:
+                continue
         keys, values = codes.dequantize(lo, hi, precision)
         rank = torch.arange(width, device=lengths.device)
         ok = rank < count[..., None]

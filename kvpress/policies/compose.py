@@ -57,6 +57,10 @@ class Composed(Policy):
         self.evictor.observe(ctx)
         self.codec.observe(ctx)
 
+    def prepare_step(self, layer) -> None:
+        self.evictor.prepare_step(layer)
+        self.codec.prepare_step(layer)
+
     def on_prefill(self, ctx: Context) -> None:
         self.evictor.on_prefill(ctx)
         if not self.evictor.needs().model_pass:

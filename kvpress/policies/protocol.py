@@ -154,6 +154,10 @@ class Policy(HyperParameters):
     def observe(self, ctx: Context) -> None:
         pass
 
+    def prepare_step(self, layer) -> None:
+        """Before a captured decode step (on the host; cache/room.py): build the read-side state the step updates in
+        place, in layer.room.derived (a read view's page statistics). Default: none."""
+
     def on_prefill(self, ctx: Context) -> None:
         pass
 

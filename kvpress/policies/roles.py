@@ -15,6 +15,7 @@ what a decode step does says so in `decode_change`, which rollbacks (speculation
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -39,6 +40,8 @@ class Codec(Policy):
 @dataclass
 class ReadView(Policy):
     """A read policy: nothing is evicted; at each decode step attention reads the slots select(ctx) picks."""
+
+    captures: ClassVar[bool] = False  # select runs in a captured decode step (fixed shapes; state from prepare_step)
 
     def select(self, ctx: Context) -> tuple[torch.Tensor, torch.Tensor]:
         """(indices [B, Hkv, K], valid [B, Hkv, K]): the slots this step reads (ragged counts padded with invalid

@@ -86,10 +86,62 @@ class PageStats:
 
 
 def page_stats(layer, page_size: int) -> PageStats:
+    if layer.captured:  # a captured step: the room's statistics, updated in place (built by prepare_step)
+        return layer.room.derived[("pages", page_size)].update(layer)
     stats = layer.derived.get(("pages", page_size))
     if stats is None:
         stats = layer.derived[("pages", page_size)] = PageStats(page_size, leading_fillers(layer))
     return stats.update(layer)
+
+
+class RoomPages:
+    """Page statistics over a layer's room, for captured decode steps (cache/room.py): a buffer per statistic for
+    every page the room's view can hold, built on the host from the layer's own (PageStats) before the first
+    captured step, pages not yet reached empty; each step recomputes, in place, the pages its new tokens land in
+    (the same max / min / mean over the same slots as PageStats), so the step keeps its shapes."""
+
+    def __init__(self, layer, page_size: int):
+        exact = page_stats(layer, page_size)
+        self.page_size, self.offset = page_size, exact.offset
+        width = layer.tail_start() + layer.room.capacity
+        missing = (width + page_size - 1) // page_size - exact.kmax.shape[2]
+
+        def padded(t, fill):
+            return torch.cat([t, t.new_full((*t.shape[:2], missing, *t.shape[3:]), fill)], 2)
+
+        self.kmax, self.kmin = padded(exact.kmax, float("-inf")), padded(exact.kmin, float("inf"))
+        self.kmean, self.filled = padded(exact.kmean, 0.0), padded(exact.filled, False)
+        for buffer in (self.kmax, self.kmin, self.kmean, self.filled):
+            torch._dynamo.mark_static_address(buffer)
+
+    def update(self, layer) -> "RoomPages":
+        P, q_len = self.page_size, layer.room.pending
+        keys, valid = layer.keys_view(), layer.key_valid()
+        batch, heads, width, dim = keys.shape
+        offset = 0 if self.offset is None else self.offset[..., None]  # [B, Hkv, 1]: a row's page 0 starts there
+        for new in range(q_len):  # the page of each new token (a decode step: one)
+            page = self.first_page(layer.first_new_slot(q_len) + new).expand(batch, heads)
+            src = page[..., None] * P + offset + torch.arange(P, device=keys.device)
+            inside = src < width
+            src = src.clamp(max=width - 1)
+            k = keys.gather(2, src[..., None].expand(-1, -1, -1, dim)).float()
+            v = (valid.gather(-1, src) & inside)[..., None]
+            stats = (k.masked_fill(~v, float("-inf")).amax(2), k.masked_fill(~v, float("inf")).amin(2),
+                     (k * v).sum(2) / v.sum(2).clamp(min=1))
+            at = page[:, :, None, None].expand(-1, -1, 1, dim)
+            for buffer, value in zip((self.kmax, self.kmin, self.kmean), stats):
+                buffer.scatter_(2, at, value[:, :, None])
+            self.filled.scatter_(2, page[:, :, None], v.any(2).expand(-1, -1, 1))
+        return self
+
+    def first_page(self, slot):
+        return (slot - offset_of(self.offset)) // self.page_size
+
+    slots = PageStats.slots
+
+
+def offset_of(offset: torch.Tensor | None):
+    return 0 if offset is None else offset
 
 
 def _from_page(score: torch.Tensor, first) -> torch.Tensor:
@@ -126,8 +178,13 @@ class Quest(ReadPolicy):
     heads and rows), the top budget/page_size pages are read; the current page always is."""
 
     name = "quest"
+    captures: ClassVar[bool] = True
     budget: int = 512
     page_size: int = 16
+
+    def prepare_step(self, layer) -> None:
+        if ("pages", self.page_size) not in layer.room.derived:
+            layer.room.derived[("pages", self.page_size)] = RoomPages(layer, self.page_size)
 
     def validate(self) -> None:
         super().validate()
@@ -139,7 +196,7 @@ class Quest(ReadPolicy):
         q = _query_rows(ctx)  # [B, Hkv, M, D]
         bound = torch.maximum(q[:, :, :, None] * stats.kmax[:, :, None], q[:, :, :, None] * stats.kmin[:, :, None])
         score = bound.nan_to_num(neginf=-1e30).sum(-1).amax(2)  # [B, Hkv, n_pages]
-        score = _from_page(score, stats.first_page(ctx.layer.view_width - ctx.q_len))  # the current page(s)
+        score = _from_page(score, stats.first_page(ctx.layer.first_new_slot(ctx.q_len)))  # the current page(s)
         score = score.masked_fill(~stats.filled, float("-inf"))
         n = min(score.shape[-1], max(1, self.budget // self.page_size))
         pages = score.topk(n, dim=-1).indices.sort(-1).values
