@@ -21,9 +21,9 @@ Sections (--sections, comma list; default all):
               weights with --smollm2-dir; otherwise a random-init SmolLM2-shaped model, whose acceptance rates are
               NOT meaningful (the timings of the machinery are).
   capture  7. the same 8B-shaped model at 32K/128K, batch 1 and 8: the whole forward compiled (fullgraph; inductor +
-              CUDA graphs by default, --capture-backend), transformers' StaticCache beside kvpress none / snapkv 0.9 /
-              kivi 4-bit / snapkv 0.9 + kivi 4-bit on KVPressCache(capture_reserve=...): ms per step, the ratio to
-              StaticCache and to the roofline (weights + cache bytes) / copy bandwidth.
+              CUDA graphs by default, --capture-backend), transformers' StaticCache beside section 4's kvpress configs
+              and h2o (slack 16) on KVPressCache(capture_reserve=...): ms per step, the ratio to StaticCache and to
+              the roofline (weights + cache bytes) / copy bandwidth.
 
 Commands. Here (no CUDA) the script refuses, except the CPU smoke run of section 2 (tiny shapes, fp32, Triton in
 interpreter mode; what tests/test_gpu_suite.py runs):
@@ -832,9 +832,9 @@ def section_e2e(args, device, report, sec, deadline):
 
 
 # ---------------------------------------------------------------------------- 7. captured decode steps
-CAPTURE_CONFIGS = [("none", "none", {}), ("snapkv 0.9", "snapkv", dict(compression_ratio=0.9)),
-                   ("kivi 4-bit", "kivi", dict(bits=4)),
-                   ("snapkv 0.9 + kivi 4-bit", "snapkv+kivi", dict(compression_ratio=0.9, bits=4))]
+def capture_configs(context: int) -> list:
+    """Section 4's configurations (e2e_policies), and h2o with a cut every 17 steps."""
+    return [*e2e_policies(context), ("h2o 0.9, slack 16", "h2o", dict(compression_ratio=0.9, slack=16))]
 
 
 def compiled_step(model, backend: str):
@@ -897,7 +897,7 @@ def section_capture(args, device, report, sec, deadline):
         f"(torch.compile fullgraph, backend {args.capture_backend}) and decodes {warmup} warm-up + {steps} timed "
         f"steps (median, host clock around each synchronised step). The baseline is the unpatched model on "
         f"transformers' StaticCache; kvpress rows use KVPressCache(capture_reserve=steps). Roofline = (weight bytes "
-        f"+ cache bytes) / copy bandwidth ({bw / 1e9:,.0f} GB/s).",
+        f"+ cache bytes read: all of them, quest its budget + page statistics) / copy bandwidth ({bw / 1e9:,.0f} GB/s).",
     ]
     rows = report.table(sec, "captured decode step", [
         ("context", "context"), ("batch", "batch"), ("config", "config"), ("step_ms", "ms/step"),
@@ -908,7 +908,7 @@ def section_capture(args, device, report, sec, deadline):
             for B in batches:
                 ids = torch.randint(0, model.config.vocab_size, (B, T), device=device)
                 base = None
-                for label, policy, params in [("transformers StaticCache", None, {}), *CAPTURE_CONFIGS]:
+                for label, policy, params in [("transformers StaticCache", None, {}), *capture_configs(T)]:
                     deadline.check()
                     row = dict(context=T, batch=B, config=label)
                     rows.append(row)
@@ -916,7 +916,10 @@ def section_capture(args, device, report, sec, deadline):
                                        args.capture_backend, args.chunk or 8192)
                     row["status"] = why or "ok"
                     if out:
-                        roof = (weights + out["kv_bytes"]) / bw
+                        read = out["kv_bytes"]
+                        if policy == "quest":  # its budget's K/V rows + fp32 page min/max (as section 4)
+                            read = B * layers * HKV * (min(params["budget"], T) * 2 * D * 2 + (T // 16) * 2 * D * 4)
+                        roof = (weights + read) / bw
                         base = out["step_ms"] if policy is None else base
                         row.update(step_ms=out["step_ms"], first_ms=out["first_ms"], kv_gib=out["kv_bytes"] / GIB,
                                    roofline_ms=roof * 1e3, x_roofline=out["step_ms"] / (roof * 1e3),

@@ -133,6 +133,9 @@ def test_the_reserve_is_counted_and_bounded():
         assert held > used  # reserved slots ...
         rest = sum(t.numel() * t.element_size() for s in b.segments[:-1] for t in s.tensors())
         assert b.nbytes() == rest + room.nbytes()  # ... all counted
+    reserved = [row["reserved_slots"] for row in captured.stats()]
+    assert reserved == [layer.room.capacity - layer.room.filled for _, layer in captured.kvpress_layers()]
+    assert min(reserved) > 0 and [row["reserved_slots"] for row in eager.stats()] == [0] * len(reserved)
 
 
 def test_a_used_up_reserve_grows_as_an_event():

@@ -240,7 +240,8 @@ class KVPressCache(Cache):
         return total
 
     def stats(self) -> list[dict]:
-        """Per layer: tokens seen, slots stored, real tokens kept per KV head (min/max), bytes."""
+        """Per layer: tokens seen, slots stored, real tokens kept per KV head (min/max), bytes (a capture reserve's
+        included: `reserved_slots` of its room are not used yet)."""
         rows = []
         for i, layer in enumerate(self.layers):
             if isinstance(layer, KVPressLayer):
@@ -250,7 +251,8 @@ class KVPressCache(Cache):
                 rows.append(
                     dict(layer=i, kind="kvpress", seen=layer.seen, stored=layer.view_width,
                          kept_min=int(kept.min()), kept_max=int(kept.max()),
-                         kv_bytes=layer.kv_nbytes(), bytes=layer.nbytes())
+                         kv_bytes=layer.kv_nbytes(), bytes=layer.nbytes(),
+                         reserved_slots=0 if layer.room is None else layer.room.capacity - layer.room.filled)
                 )
             elif getattr(layer, "is_initialized", False):
                 kv = sum(t.numel() * t.element_size() for t in (layer.keys, layer.values))
