@@ -198,3 +198,21 @@ def test_a_fork_keeps_its_tokens_while_the_original_decodes_into_its_room():
             token = model(token, cache=cache).logits[:, -1:].argmax(-1)
         for (keys, positions), (_, layer) in zip(before, fork.kvpress_layers()):
             assert torch.equal(layer.keys_view(), keys) and torch.equal(layer.key_positions(), positions)
+
+
+@pytest.mark.parametrize("policy,params", [("none", {}), ("snapkv+kivi", dict(compression_ratio=0.5, **CODEC)),
+                                           ("h2o", CUTS), ("quest", dict(budget=48, page_size=8))])
+def test_generate_on_a_cache_with_a_reserve_gives_the_same_tokens(policy, params):
+    """Eager generate (a left-padded batch, the mask given every step) on a cache with a reserve: every step appends
+    into the room and is counted at once; the tokens are those of a cache without one."""
+    model = tiny_model("llama")
+    ids = torch.randint(3, 128, (2, 50), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(ids)
+    mask[1, :6] = 0
+    outputs = []
+    with kvpress.patch_model(model, policy, **params), torch.no_grad():
+        for cache in (KVPressCache(model.config), KVPressCache(model.config, capture_reserve=8)):
+            outputs.append(model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=12, min_new_tokens=12,
+                                          do_sample=False))
+        assert cache.stats()[0]["reserved_slots"] > 0
+    assert torch.equal(outputs[0], outputs[1])
