@@ -168,6 +168,33 @@ def test_capture_reserve_is_checked(reserve):
         KVPressCache(tiny_model("llama").config, capture_reserve=reserve)
 
 
+def test_a_model_with_stock_sliding_layers_refuses_a_reserve():
+    """Gemma-3's sliding-window layers are transformers' own: their decode steps change shape every step."""
+    with pytest.raises(ValueError, match="capture_reserve=8: .*sliding-window"):
+        KVPressCache(tiny_model("gemma3").config, capture_reserve=8)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "phi3", "mistral"])
+def test_other_architectures_capture(arch):
+    """Qwen3 (q/k norms), Phi-3 (fused qkv), Mistral: ten captured snapkv steps equal eager, through one graph."""
+    model = tiny_model(arch)
+    ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(5))
+    graphs = Graphs()
+    dynamo.reset()
+    with kvpress.patch_model(model, "snapkv", compression_ratio=0.5), torch.no_grad():
+        eager, captured = KVPressCache(model.config), KVPressCache(model.config, capture_reserve=16)
+        token = model(ids, cache=eager).logits[:, -1:].argmax(-1)
+        model(ids, cache=captured)
+        step = torch.compile(model, fullgraph=True, dynamic=False, backend=graphs)
+        for i in range(10):
+            position = torch.tensor([[40 + i]])
+            want = model(token, cache=eager, position_ids=position).logits
+            torch.testing.assert_close(step(token, cache=captured, position_ids=position).logits, want)
+            token = want[:, -1:].argmax(-1)
+    assert len(graphs.graphs) == 1
+    dynamo.reset()
+
+
 @pytest.mark.parametrize("policy,params", [("h2o", dict(compression_ratio=0.5)), ("retrieval", dict(budget=24))])
 def test_a_policy_that_changes_decode_steps_refuses_a_reserve(policy, params):
     """Eviction at every step (slack 0) and read views other than quest do not capture (yet): a cache with a reserve

@@ -50,6 +50,10 @@ class KVPressCache(Cache):
                                          or question_ids.shape[1] < 1 or question_ids.is_floating_point()):
             raise ValueError(f"question_ids={question_ids!r}; allowed values: None or token ids [batch or 1, n >= 1]")
         layer_types = _layer_types(config) if config is not None else None
+        if capture_reserve is not None and layer_types is not None and "sliding_attention" in layer_types:
+            raise ValueError(f"capture_reserve={capture_reserve}: this model's sliding-window layers are transformers' "
+                             f"own (DynamicSlidingWindowLayer), whose decode steps change shape every step; allowed "
+                             f"values: None for a model with sliding-window layers")
         # the layers this cache was built for (None: any, created as they come): a patched model whose own differ
         # refuses it (a Gemma-3 cache on a Llama made its layer 0 a sliding window)
         self.layer_kinds = layout(config) if layer_types is not None else None
