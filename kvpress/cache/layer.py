@@ -390,7 +390,7 @@ class KVPressLayer(CacheLayerMixin):
         if not self.is_initialized:
             return 0
         segments, room = self._segments, self.room
-        if room is not None and room.issued is self.tail_exact:
+        if room is not None and room.backs(self):
             segments = segments[:-1]  # the tail is views of the room, counted whole (reserved + used) below
         return sum(t.numel() * t.element_size() for s in segments for t in s.tensors()) + \
             (room.nbytes() if room is not None else 0)

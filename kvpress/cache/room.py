@@ -8,7 +8,7 @@ plain tail changes shape every step. A room reserves the tail's next slots ahead
   [B, Hkv, C], with C = the tail's slots + the reserve; `counters` int64 [2] on the layer's device: (slots filled,
   tokens seen) when the step in flight began.
 
-Each forward of a cache with a reserve is split in two (integrations/forwards.py):
+Each decode forward of a cache with a reserve is split in three (integrations/forwards.py):
   host, before (prepare)   outside any graph: make room for the forward's tokens (grow or rebuild when the tail is
                            not this room's, a growth event) and write the counters;
   device (the step)        traced code sees the tail as the whole room, its unfilled slots invalid (the layer's
@@ -16,7 +16,8 @@ Each forward of a cache with a reserve is split in two (integrations/forwards.py
                            Python int that changes per step is read, so the shapes stay the same until the next
                            event;
   host, after (settle)     the layer's Python counters and its exact tail (views of the room's filled slots, what
-                           every eager reader sees) catch up; the policy's storage work (a codec's flush) runs here.
+                           every eager reader sees) catch up; the policy's decode hook (a codec's flush, an
+                           evictor's cut) runs here, with the step's Context.
 An eager forward on a prepared layer appends into the room the same way and settles at once, so the room stays the
 tail's between captured steps. The reserve is counted in nbytes (reserved, not used, as stats() reports).
 """
@@ -51,6 +52,10 @@ class TailRoom:
     def capacity(self) -> int:
         return self.segment.num_slots
 
+    def backs(self, layer) -> bool:
+        """The layer's exact tail is this room's (views of its filled slots): nothing changed it outside the room."""
+        return self.issued is layer.tail_exact
+
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.segment.tensors(), self.counters))
 
@@ -62,10 +67,9 @@ def prepare(layer, q_len: int, reserve: int, masked: bool) -> None:
     if masked and layer.padding is None:
         layer.padding = torch.zeros(layer.batch_heads[0], dtype=torch.long, device=layer.device)
     room = layer.room
-    tail = layer.tail_exact
-    live = room is not None and room.issued is tail and not room.ready
-    if not live or room.filled + q_len > room.capacity or set(tail.state) != set(room.states):
-        room = _rebuild(layer, room, tail, q_len, reserve)
+    # (a tail whose per-slot states change is a new segment: a room that backs the tail carries its states)
+    if room is None or not room.backs(layer) or room.ready or room.filled + q_len > room.capacity:
+        room = _rebuild(layer, room, layer.tail_exact, q_len, reserve)
     room.counters.copy_(torch.tensor([room.filled, layer.seen], dtype=torch.long), non_blocking=True)
     room.ready, room.pending = True, 0
     layer.room = room
@@ -138,7 +142,7 @@ def settle(layer) -> None:
         return
     q_len, changed = room.pending, room.changed
     room.ready, room.pending, room.changed = False, 0, False
-    if room.issued is not layer.tail_exact:
+    if not room.backs(layer):
         return  # the forward changed the tail otherwise (an eager policy step): the room is rebuilt next time
     room.filled += q_len
     layer.seen += q_len

@@ -55,17 +55,11 @@ class PageStats:
             valid = torch.nn.functional.pad(valid, (0, pad))
         else:  # page slot j of a row is its slot j + offset
             src = torch.arange(start, n_pages * P, device=self.offset.device) + self.offset[..., None]
-            inside = src < total
-            src = src.clamp(max=total - 1)
-            all_keys = layer.keys_view()
-            keys = all_keys.gather(2, src[..., None].expand(-1, -1, -1, all_keys.shape[-1])).float()
-            valid = layer.key_valid().gather(-1, src) & inside
+            keys, valid = _gathered(layer.keys_view(), layer.key_valid(), src)
         b, h = keys.shape[:2]
         k = keys.view(b, h, -1, P, keys.shape[-1])
         v = valid.view(b, h, -1, P, 1)
-        new_max = k.masked_fill(~v, float("-inf")).amax(3)
-        new_min = k.masked_fill(~v, float("inf")).amin(3)
-        new_mean = (k * v).sum(3) / v.sum(3).clamp(min=1)
+        new_max, new_min, new_mean = _summary(k, v, 3)
         keep = slice(0, self.complete)
         cat = (lambda old, new: new if old is None else torch.cat([old[:, :, keep], new], 2))
         self.kmax, self.kmin, self.kmean = cat(self.kmax, new_max), cat(self.kmin, new_min), cat(self.kmean, new_mean)
@@ -117,17 +111,13 @@ class RoomPages:
     def update(self, layer) -> "RoomPages":
         P, q_len = self.page_size, layer.room.pending
         keys, valid = layer.keys_view(), layer.key_valid()
-        batch, heads, width, dim = keys.shape
+        batch, heads, _, dim = keys.shape
         offset = 0 if self.offset is None else self.offset[..., None]  # [B, Hkv, 1]: a row's page 0 starts there
         for new in range(q_len):  # the page of each new token (a decode step: one)
             page = self.first_page(layer.first_new_slot(q_len) + new).expand(batch, heads)
-            src = page[..., None] * P + offset + torch.arange(P, device=keys.device)
-            inside = src < width
-            src = src.clamp(max=width - 1)
-            k = keys.gather(2, src[..., None].expand(-1, -1, -1, dim)).float()
-            v = (valid.gather(-1, src) & inside)[..., None]
-            stats = (k.masked_fill(~v, float("-inf")).amax(2), k.masked_fill(~v, float("inf")).amin(2),
-                     (k * v).sum(2) / v.sum(2).clamp(min=1))
+            k, v = _gathered(keys, valid, page[..., None] * P + offset + torch.arange(P, device=keys.device))
+            v = v[..., None]
+            stats = _summary(k, v, 2)
             at = page[:, :, None, None].expand(-1, -1, 1, dim)
             for buffer, value in zip((self.kmax, self.kmin, self.kmean), stats):
                 buffer.scatter_(2, at, value[:, :, None])
@@ -142,6 +132,21 @@ class RoomPages:
 
 def offset_of(offset: torch.Tensor | None):
     return 0 if offset is None else offset
+
+
+def _gathered(keys: torch.Tensor, valid: torch.Tensor, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 keys [B, Hkv, n, D] and validity [B, Hkv, n] of view slots `src` [B, Hkv, n] (slots past the view: not
+    valid)."""
+    width = keys.shape[2]
+    inside = src < width
+    src = src.clamp(max=width - 1)
+    return keys.gather(2, src[..., None].expand(-1, -1, -1, keys.shape[-1])).float(), valid.gather(-1, src) & inside
+
+
+def _summary(k: torch.Tensor, v: torch.Tensor, dim: int) -> tuple:
+    """A page's statistics: elementwise (max, min, mean) of keys `k` over axis `dim`, real slots (`v`) only."""
+    return (k.masked_fill(~v, float("-inf")).amax(dim), k.masked_fill(~v, float("inf")).amin(dim),
+            (k * v).sum(dim) / v.sum(dim).clamp(min=1))
 
 
 def _from_page(score: torch.Tensor, first) -> torch.Tensor:
