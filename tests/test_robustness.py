@@ -22,7 +22,7 @@ from conftest import greedy, tiny_model
 from test_query_agnostic import TOK
 
 THREAD_POLICIES = [("snapkv", dict(compression_ratio=0.5)), ("h2o", dict(compression_ratio=0.5)),
-                   ("tova", dict(compression_ratio=0.5)), ("streaming_llm", dict(compression_ratio=0.5)),
+                   ("keyformer", dict(compression_ratio=0.5)), ("tova", dict(compression_ratio=0.5)), ("streaming_llm", dict(compression_ratio=0.5)),
                    ("expected_attention", dict(compression_ratio=0.5)), ("kivi", dict(bits=4, group_size=16,
                                                                                       residual_length=16)),
                    ("quest", dict(budget=24)), ("kvzip", dict(compression_ratio=0.5, tokenizer=TOK)),

@@ -51,8 +51,9 @@ def check_forward(patch, decoder, args, kwargs) -> None:
     if cache.broken is not None:
         raise ValueError(f"cache: {cache.broken}; allowed values: a new kvpress.KVPressCache(model.config)")
     if cache.capture_reserve is not None and (busy := [p for p in patch.policy.parts() if not captures(p)]):
+        what = busy[0].decode_change if busy[0].observe_captures else "observes each step with shapes that change"
         raise ValueError(f"KVPressCache(capture_reserve={cache.capture_reserve}): {busy[0].describe()} "
-                         f"{busy[0].decode_change}, which a decode step of fixed shapes cannot do yet; allowed: "
+                         f"{what}, which a decode step of fixed shapes cannot do yet; allowed: "
                          f"capture_reserve=None, or policies whose decode steps only append, store low-bit codes or "
                          f"evict with slack >= 1 (none, snapkv / kvzap / keydiff at prefill, kivi, gear, h2o / tova / "
                          f"streaming_llm with slack, their compositions, quest)")
@@ -62,6 +63,8 @@ def captures(policy) -> bool:
     """A decode step of this policy has fixed shapes given a room (cache/room.py): it only appends (no decode change),
     or restructures the layer on the host after the step, at most every few steps (a codec's flush; an evictor's
     cut with slack >= 1), or is a read view whose selection keeps its shapes (ReadView.captures: quest)."""
+    if not policy.observe_captures:
+        return False
     if policy.decode_change is None or isinstance(policy, Codec):
         return True
     if isinstance(policy, ReadView):

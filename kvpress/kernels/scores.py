@@ -63,9 +63,12 @@ def attention_column_sums(
     key_positions: torch.Tensor,
     key_valid: torch.Tensor | None,
     sliding_window: int | None = None,
+    perturb=None,
 ) -> torch.Tensor:
     """Attention each slot receives, summed over the real query rows: [B, Hq, T] (fp32), computed in
-    query-row chunks so memory is O(chunk x T) rather than O(q x T)."""
+    query-row chunks so memory is O(chunk x T) rather than O(q x T). `perturb(logits, rows, upto)`, if given,
+    rewrites each block of fp32 logits [B, Hkv, g, r, upto] of query rows `rows` (a slice) in place before the
+    mask and the softmax (Keyformer's Gumbel noise and temperature)."""
     batch, hq, rows, _ = query.shape
     length = key_positions.shape[-1]
     chunk = max(1, min(rows, _BLOCK_ELEMENTS // max(1, batch * hq * length)))
@@ -87,6 +90,8 @@ def attention_column_sums(
         open_ = 0 if key_valid is not None or sliding_window is not None else \
             int((key_positions <= positions[0]).sum(-1).min())
         logits = key_logits(query[:, :, sl], reach)  # [B, Hkv, g, r, reach]
+        if perturb is not None:
+            perturb(logits, sl, reach)
         if open_ < reach:
             allowed = allowed_mask(positions, key_positions[..., open_:reach],
                                    None if key_valid is None else key_valid[..., open_:reach], sliding_window)

@@ -9,6 +9,7 @@ from .random import RandomPolicy
 from .tova import TOVA
 from .snapkv import SnapKV
 from .h2o import H2O
+from .keyformer import Keyformer
 from .streaming_llm import StreamingLLM
 from .kvzip import KVzip
 from .expected_attention import ExpectedAttention
@@ -24,6 +25,6 @@ __all__ = [
     "Policy", "BudgetPolicy", "AllocatedBudgetPolicy", "ScorerPolicy", "Context", "select_kept",
     "Codec", "ReadView", "DecodeEviction",
     "register", "list_policies", "get_policy_class", "resolve_policy",
-    "NoCompression", "Knorm", "RandomPolicy", "TOVA", "SnapKV", "H2O", "StreamingLLM", "KVzip", "ExpectedAttention", "KeyDiff", "KVzap", "DuoAttention",
+    "NoCompression", "Knorm", "RandomPolicy", "TOVA", "SnapKV", "H2O", "Keyformer", "StreamingLLM", "KVzip", "ExpectedAttention", "KeyDiff", "KVzap", "DuoAttention",
     "KIVI", "GEAR", "Composed", "ReadPolicy", "Quest", "Retrieval", "TopK", "SinkWindow", "Quant4View",
 ]

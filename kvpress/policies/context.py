@@ -112,10 +112,11 @@ class Context:
         return attention_probs(self.key_logits, self.query[:, :, -last:], self.query_positions(last),
                                self.layer.key_positions(), self.layer.key_valid_or_none(), self.sliding_window)
 
-    def attention_column_sums(self) -> torch.Tensor:
+    def attention_column_sums(self, perturb=None) -> torch.Tensor:
         """Attention received by each slot, summed over all query rows of this forward: [B, Hq, T] (fp32).
-        Computed in query chunks, so a long prompt never materialises its full attention matrix."""
-        if self.probs is not None:  # a decode step: its one (real) query row's probabilities
+        Computed in query chunks, so a long prompt never materialises its full attention matrix. `perturb`: a
+        rewrite of each block of logits before the softmax (kernels.attention_column_sums)."""
+        if self.probs is not None and perturb is None:  # a decode step: its one (real) query row's probabilities
             return self.probs.sum(2)
         layer = self.layer
         fp32_keys = {}  # bf16/fp16 keys go to fp32 once here, not once per query block (a prompt has hundreds)
@@ -124,7 +125,7 @@ class Context:
             return layer.key_logits(query, self.scaling, self.softcap, upto, fp32_keys=fp32_keys)
 
         return attention_column_sums(key_logits, self.query, self.query_positions(),
-                                     layer.key_positions(), layer.key_valid_or_none(), self.sliding_window)
+                                     layer.key_positions(), layer.key_valid_or_none(), self.sliding_window, perturb)
 
     def to_kv_heads(self, per_query_head: torch.Tensor, reduce: str = "mean") -> torch.Tensor:
         """[B, Hq, ...] -> [B, Hkv, ...] by reducing each GQA group (design invariant 6)."""

@@ -104,6 +104,8 @@ class Policy(HyperParameters):
     name: ClassVar[str] = "none"
     needs_budget: ClassVar[bool] = False
     read_precision: ClassVar[int | None] = None  # a view that reads low-bit codes with fewer bits (quant4 draft)
+    # observe runs inside a captured decode step (cache/room.py): in place, with no Python count that changes per step
+    observe_captures: ClassVar[bool] = True
 
     def needs(self) -> Needs:
         """What this policy needs from the forward (see Needs)."""
