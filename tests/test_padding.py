@@ -38,6 +38,7 @@ PARAMS = {
     "retrieval": dict(budget=24),
     "sink_window": dict(budget=24),
     "topk": dict(budget=24),
+    "token_select": dict(budget=24, n_init=4, n_local=8),
 }
 COMPOSED = {
     "snapkv+kivi": dict(compression_ratio=0.6, window_size=8, bits=2, group_size=16, residual_length=16),
@@ -105,7 +106,7 @@ def test_slack_cuts_each_row_on_its_own_schedule():
     _assert_rows_as_alone("h2o", dict(budget=80, slack=3))
 
 
-CHUNKABLE = sorted(set(PARAMS) - {"kivi", "gear", "quest", "retrieval", "sink_window", "topk"})
+CHUNKABLE = sorted(set(PARAMS) - {"kivi", "gear", "quest", "retrieval", "sink_window", "topk", "token_select"})
 
 
 @pytest.mark.parametrize("name", CHUNKABLE)
