@@ -39,6 +39,7 @@ PARAMS = {
     "sink_window": dict(budget=24),
     "topk": dict(budget=24),
     "token_select": dict(budget=24, n_init=4, n_local=8),
+    "recycled_attention": dict(budget=24, stride=3),
 }
 COMPOSED = {
     "snapkv+kivi": dict(compression_ratio=0.6, window_size=8, bits=2, group_size=16, residual_length=16),
@@ -106,7 +107,7 @@ def test_slack_cuts_each_row_on_its_own_schedule():
     _assert_rows_as_alone("h2o", dict(budget=80, slack=3))
 
 
-CHUNKABLE = sorted(set(PARAMS) - {"kivi", "gear", "quest", "retrieval", "sink_window", "topk", "token_select"})
+CHUNKABLE = sorted(set(PARAMS) - {"kivi", "gear", "quest", "retrieval", "sink_window", "topk", "token_select", "recycled_attention"})
 
 
 @pytest.mark.parametrize("name", CHUNKABLE)

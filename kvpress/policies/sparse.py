@@ -149,6 +149,15 @@ def _summary(k: torch.Tensor, v: torch.Tensor, dim: int) -> tuple:
             (k * v).sum(dim) / v.sum(dim).clamp(min=1))
 
 
+def slots_of(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(indices [B, Hkv, K], valid) of the True slots of mask [B, Hkv, T], in slot order, padded to the widest head:
+    a selection from a mask (views that decide slot by slot)."""
+    count = mask.sum(-1)
+    width = int(count.max())
+    order = (~mask).to(torch.int8).argsort(dim=-1, stable=True)[..., :width]
+    return order, torch.arange(width, device=mask.device) < count[..., None]
+
+
 def _from_page(score: torch.Tensor, first) -> torch.Tensor:
     """score [B, Hkv, n_pages] with every page from `first` (an int, or [B, Hkv]) on set to +inf (always read)."""
     if isinstance(first, int):

@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from .context import Context
-from .sparse import ReadPolicy
+from .sparse import ReadPolicy, slots_of
 from .registry import register
 
 
@@ -91,7 +91,7 @@ class TokenSelect(ReadPolicy):
         chosen = fixed.clone()
         chosen.scatter_(-1, top[:, None].expand(-1, real.shape[1], -1), True)
         chosen = (chosen & real) | (n_real <= self.budget) & real  # a short row reads everything
-        return _slots_of(chosen)
+        return slots_of(chosen)
 
     def _vote(self, ctx: Context, fingerprint: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
         """[B, top_k] the slots with the highest summed per-head softmax of f_h . k over the candidates."""
@@ -105,7 +105,7 @@ class TokenSelect(ReadPolicy):
         if self.pool_kernel > 1:
             votes = F.max_pool1d(votes[:, None], self.pool_kernel, 1, self.pool_kernel // 2)[:, 0]
         votes = votes.masked_fill(~candidates.any(1), float("-inf"))
-        return votes.topk(min(self.top_k, votes.shape[-1]), dim=-1).indices
+        return votes.argsort(dim=-1, descending=True, stable=True)[..., :self.top_k]  # ties: the older slot
 
     def _reusable(self, ctx: Context, cache, fingerprint: torch.Tensor) -> torch.Tensor | None:
         """[B] rows whose query is close enough to the one that made the cached selection, or None (no cache)."""
@@ -127,10 +127,3 @@ class _SelectionCache:
     def truncate(self, n_slots: int) -> None:
         self.usable = False
 
-
-def _slots_of(mask: torch.Tensor):
-    """(indices [B, Hkv, K], valid) of the True slots of mask [B, Hkv, T], in slot order, padded to the widest head."""
-    count = mask.sum(-1)
-    width = int(count.max())
-    order = (~mask).to(torch.int8).argsort(dim=-1, stable=True)[..., :width]
-    return order, torch.arange(width, device=mask.device) < count[..., None]
