@@ -32,3 +32,6 @@ class ForwardState:
     observers: int = 0
     # stock sliding layers recording their past meanwhile, so they can give those tokens back
     recording: list = field(default_factory=list)
+    # what the layers of the forward in flight hand to the layers after them (a read view that selects in one layer
+    # for the next ones: TidalDecode); emptied before each forward
+    shared: dict = field(default_factory=dict)

@@ -58,7 +58,7 @@ def kvpress_attention(module, query, key, value, attention_mask, **kwargs):
         module=module, layer_idx=module.layer_idx, layer=layer, phase=phase, query=query,
         scaling=kwargs.get("scaling", getattr(module, "scaling", query.shape[-1] ** -0.5)),
         softcap=kwargs.get("softcap"), sliding_window=kwargs.get("sliding_window"),
-        prompt_tokens=prompt_tokens, prompt_length=prompt_length, observers=state.observers,
+        prompt_tokens=prompt_tokens, prompt_length=prompt_length, observers=state.observers, shared=state.shared,
         budget_layer=binding.budget_layer,
         rope_positions=kwargs.get("position_ids"), rotary=binding.rotary, hidden_states=hidden_states,
         shards=HeadShards.of(query.shape[1], config_heads(module.config)[0]) if patch.needs.all_heads else SINGLE,

@@ -78,6 +78,7 @@ class ForwardHooks:
         if isinstance(cache, KVPressCache):
             cache.set_attention_mask(kwargs.get("attention_mask"))
             state = cache.forward_state
+            state.shared = {}
             # a prompt's forward; a chunk of a chunked prefill is not (the chunk loop runs the after-prompt step)
             state.prefilling = state.probe is None and state.chunked_prompt is None and cache.get_seq_length() == 0
             forward.was_empty, forward.marks = cache.get_seq_length() == 0, cache.append_marks()

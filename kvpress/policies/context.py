@@ -37,6 +37,8 @@ class Context:
     prompt_tokens: torch.Tensor | None = None
     prompt_length: int | None = None
     observers: int = 0  # this forward's last tokens are observation queries (a known question), dropped after it
+    # what earlier layers of this forward left for later ones (ForwardState.shared; None: no forward around this one)
+    shared: dict | None = None
     rope_positions: torch.Tensor | None = None  # [B, q_len] RoPE positions of the query rows (None: seen-based)
     # Provided only to policies that declare the need (Needs):
     rotary: Rotary | None = None  # of this layer

@@ -26,11 +26,12 @@ from ..integrations.hf import given_cache, with_cache
 from ..integrations.patching import patch_model
 from ..integrations.registry import patch_of
 from ..policies import (KIVI, Codec, HiP, Quant4View, Quest, ReadPolicy, RecycledAttention, Retrieval, SinkWindow,
-                        TokenSelect, TopK)
+                        TidalDecode, TokenSelect, TopK)
 from ..policies.registry import check_params, resolve_policy
 
 DRAFTS = {"sink_window": SinkWindow, "retrieval": Retrieval, "quest": Quest, "topk": TopK, "token_select": TokenSelect,
-          "recycled_attention": RecycledAttention, "hip": HiP, "quant4": Quant4View}
+          "recycled_attention": RecycledAttention, "hip": HiP,
+          "tidal_decode": TidalDecode, "quant4": Quant4View}
 # An unpatched model is patched for the calls that run on it (the target policy), and unpatched when the last of them
 # returns: calls on several threads at once share that one patch (model -> [patch, calls using it]).
 _SHARED: "weakref.WeakKeyDictionary[torch.nn.Module, list]" = weakref.WeakKeyDictionary()
