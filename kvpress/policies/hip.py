@@ -2,6 +2,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..formats.slots import take_slots
 from .context import Context
 from .sparse import ReadPolicy, slots_of
 from .registry import register
@@ -60,7 +61,11 @@ class HiP(ReadPolicy):
         nodes = k // self.block_size
         start, end, _ = hierarchical_search(ctx.query, layer.keys_view(), first, last, nodes, self.block_size)
         slots = torch.arange(real.shape[-1], device=real.device)
-        inside = ((slots >= start[..., None]) & (slots < end[..., None])).any(-2)  # [B, Hkv, T]
+        # the nodes' slots: +1 where a node starts, -1 where it ends, a running sum (nodes never overlap)
+        edges = torch.zeros(*real.shape[:2], real.shape[-1] + 1, device=real.device)
+        edges.scatter_add_(-1, start, torch.ones_like(start, dtype=edges.dtype))
+        edges.scatter_add_(-1, end, -torch.ones_like(end, dtype=edges.dtype))
+        inside = edges.cumsum(-1)[..., :-1] > 0  # [B, Hkv, T]
         short = (last - first <= k)[..., None]  # the whole range fits: read it
         chosen = real & (inside | short | (slots < first[..., None]) | (slots >= last[..., None]))
         return slots_of(chosen)
@@ -85,7 +90,7 @@ def hierarchical_search(query: torch.Tensor, keys: torch.Tensor, first: torch.Te
         half_start, half_end = torch.cat([start, middle], -1), torch.cat([middle, end], -1)  # [B, Hkv, 2n] blocks
         at = first[..., None, None] + ((half_start + half_end) // 2)[..., None] * block + offsets  # centre blocks
         real = (at < last[..., None, None]) & (half_end > half_start)[..., None]  # an empty half reads nothing
-        picked = keys.gather(2, at.clamp(max=width - 1).flatten(2)[..., None].expand(-1, -1, -1, dim)).float()
+        picked = take_slots(keys, at.clamp(max=width - 1).flatten(2)).float()
         logits = torch.einsum("bhrd,bhsd->bhrs", q, picked).amax(2).view(*at.shape)
         score = logits.masked_fill(~real, float("-inf")).amax(-1)
         best = score.argsort(dim=-1, descending=True, stable=True)[..., :nodes]  # ties: left halves, older first

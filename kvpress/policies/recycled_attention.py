@@ -64,8 +64,11 @@ class RecycledAttention(ReadPolicy):
             state = _Partial.built(self, ctx, full, state if state is not None and state.usable else None)
             layer.derived[self._key] = state
         real = layer.key_valid()
-        chosen = state.partial_set(self.budget, layer.view_width) & real
-        return slots_of(torch.where(full[:, None, None], real, chosen))
+        if bool(full.any()):  # (a row taking a full step reads every slot: as a mask, with the partial rows')
+            indices, valid = state.partial_set(self.budget, layer.view_width)
+            partial = torch.zeros_like(real).scatter_(-1, indices, valid) & real
+            return slots_of(torch.where(full[:, None, None], real, partial))
+        return state.partial_set(self.budget, layer.view_width)
 
     def _due(self, ctx: Context, state: "_Partial") -> torch.Tensor:
         """[B] rows that take a full step now."""
@@ -86,12 +89,13 @@ def _fingerprint(ctx: Context) -> torch.Tensor:
 
 
 class _Partial:
-    """A layer's recycled-attention state (layer.derived), per row: the scores of the row's last full step over the
-    slots it saw ([B, Hkv, W], -inf past them), its C_p (a mask over those slots), how many slots it saw (`seen` [B]:
-    later slots were generated since), its query fingerprint, and the steps since the last refresh or check."""
+    """A layer's recycled-attention state (layer.derived), per row: the slots of its C_p ranked by its last full step's
+    scores (`ranked` [B, Hkv, budget], best first; `ranked_ok` False past a short head's slots), how many slots that
+    step saw (`seen` [B]: later slots were generated since), its query fingerprint, and the steps since the last
+    refresh or check."""
 
-    def __init__(self, scores, members, seen, fingerprint):
-        self.scores, self.members, self.seen, self.fingerprint = scores, members, seen, fingerprint
+    def __init__(self, ranked, ranked_ok, seen, fingerprint):
+        self.ranked, self.ranked_ok, self.seen, self.fingerprint = ranked, ranked_ok, seen, fingerprint
         self.since, self.usable = 0, True
 
     @classmethod
@@ -107,32 +111,32 @@ class _Partial:
         scores = scores.masked_fill(~layer.key_valid(), float("-inf"))
         # max-pooling makes plateaus of equal scores: ties go to the older slot, so a padded row picks what it picks
         # alone (topk's choice among ties is the kernel's)
-        top = scores.argsort(dim=-1, descending=True, stable=True)[..., :policy.budget]
-        members = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, top, True) & torch.isfinite(scores)
+        ranked = scores.argsort(dim=-1, descending=True, stable=True)[..., :policy.budget]
+        ranked_ok = torch.isfinite(scores.gather(-1, ranked))
+        short = policy.budget - ranked.shape[-1]  # fewer slots than the budget: pad (never read)
+        ranked, ranked_ok = F.pad(ranked, (0, short)), F.pad(ranked_ok, (0, short))
         seen = torch.full((scores.shape[0],), scores.shape[-1], device=scores.device)
         fingerprint = _fingerprint(ctx)
         if old is not None and not bool(rows.all()):
-            pad = scores.shape[-1] - old.scores.shape[-1]
             keep = ~rows
-            scores = torch.where(keep[:, None, None], F.pad(old.scores, (0, pad), value=float("-inf")), scores)
-            members = torch.where(keep[:, None, None], F.pad(old.members, (0, pad)), members)
+            ranked = torch.where(keep[:, None, None], old.ranked, ranked)
+            ranked_ok = torch.where(keep[:, None, None], old.ranked_ok, ranked_ok)
             seen = torch.where(keep, old.seen, seen)
             fingerprint = torch.where(keep[:, None], old.fingerprint, fingerprint)
-        state = cls(scores, members, seen, fingerprint)
+        state = cls(ranked, ranked_ok, seen, fingerprint)
         if old is not None:
             state.since = old.since
         return state
 
-    def partial_set(self, budget: int, width: int) -> torch.Tensor:
-        """[B, Hkv, width] what a partial step reads: every slot generated since the row's full step, and the best
-        (budget - generated) of its C_p by that step's scores."""
-        slots = torch.arange(width, device=self.seen.device)
-        generated = (slots >= self.seen[:, None]).view(-1, 1, width)  # [B, 1, width]
-        n_generated = generated.sum(-1)  # [B, 1]
-        member_scores = self.scores.masked_fill(~self.members, float("-inf"))
-        rank = member_scores.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1)  # 0 = the best
-        kept = self.members & (rank < (budget - n_generated)[..., None])
-        return F.pad(kept, (0, width - kept.shape[-1])) | generated
+    def partial_set(self, budget: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(indices, valid) [B, Hkv, K] of a partial step: every slot generated since the row's full step, and the
+        best (budget - generated) of its C_p."""
+        n_generated = (width - self.seen).view(-1, 1, 1)  # [B, 1, 1]
+        first = int(self.seen.min())
+        generated = torch.arange(first, width, device=self.seen.device).expand(*self.ranked.shape[:2], -1)
+        best = torch.arange(budget, device=self.seen.device) < budget - n_generated
+        return (torch.cat([self.ranked, generated], -1),
+                torch.cat([self.ranked_ok & best, generated >= self.seen.view(-1, 1, 1)], -1))
 
     def truncate(self, n_slots: int) -> None:
         """A rollback removed slots past n_slots: generated ones are simply gone; if it reaches into what a full step

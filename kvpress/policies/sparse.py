@@ -154,8 +154,11 @@ def slots_of(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     a selection from a mask (views that decide slot by slot)."""
     count = mask.sum(-1)
     width = int(count.max())
-    order = (~mask).to(torch.int8).argsort(dim=-1, stable=True)[..., :width]
-    return order, torch.arange(width, device=mask.device) < count[..., None]
+    # each True slot goes to its rank among its head's True slots (a running count: no sort over the view)
+    at = torch.where(mask, mask.cumsum(-1) - 1, width)
+    slots = torch.arange(mask.shape[-1], device=mask.device).expand_as(mask)
+    out = torch.zeros(*mask.shape[:-1], width + 1, dtype=torch.long, device=mask.device)
+    return out.scatter_(-1, at, slots)[..., :width], torch.arange(width, device=mask.device) < count[..., None]
 
 
 def _from_page(score: torch.Tensor, first) -> torch.Tensor:

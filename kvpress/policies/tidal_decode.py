@@ -52,10 +52,13 @@ class TidalDecode(ReadPolicy):
                 ctx.shared[self._key] = self._positions(ctx, real)
             return slots_of(real)
         positions = layer.key_positions()
-        order = positions.argsort(dim=-1, stable=True)
-        ordered = positions.gather(-1, order)
-        at = torch.searchsorted(ordered, picked.to(ordered.dtype)).clamp(max=ordered.shape[-1] - 1)
-        slot = order.gather(-1, at)
+        if bool((positions[..., 1:] >= positions[..., :-1]).all()):  # slot order is position order (no sort)
+            order, ordered = None, positions
+        else:
+            order = positions.argsort(dim=-1, stable=True)
+            ordered = positions.gather(-1, order)
+        at = torch.searchsorted(ordered, picked.to(ordered.dtype).contiguous()).clamp(max=ordered.shape[-1] - 1)
+        slot = at if order is None else order.gather(-1, at)
         found = (ordered.gather(-1, at) == picked) & real.gather(-1, slot)  # the layer holds that token
         width = real.shape[-1]
         chosen = torch.zeros(*real.shape[:2], width + 1, dtype=torch.bool, device=real.device)
