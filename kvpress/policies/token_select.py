@@ -119,11 +119,13 @@ class TokenSelect(ReadPolicy):
 
 class _SelectionCache:
     """A layer's last selection (layer.derived): the query that made it [B, Hq, D] and its top_k slots [B, k]. A
-    rollback may remove the slots it names, so it is then not used again (the next step selects anew)."""
+    rollback that removes a slot it names makes it unusable (the next step selects anew); one that removes only newer
+    slots (a speculative round's rejected drafts, inside the local window) leaves it as it is."""
 
     def __init__(self, fingerprint: torch.Tensor, top: torch.Tensor):
         self.fingerprint, self.top, self.usable = fingerprint, top, True
 
     def truncate(self, n_slots: int) -> None:
-        self.usable = False
+        if self.top.numel() and int(self.top.max()) >= n_slots:
+            self.usable = False
 
