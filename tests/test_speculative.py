@@ -16,6 +16,8 @@ from kvpress.speculative import DRAFTS, accept, custom_generate, last_stats, spe
 from conftest import tiny_model
 
 KINDS = sorted(set(DRAFTS) - {"quant4"})  # read-subset drafts; quant4 (a precision view) is tested apart
+# lserve's streaming heads need the model's calibration file: tests/test_lserve.py drafts with one
+DRAFT_PARAMS = {"lserve": dict(static_sparsity=0.0, page_size=8, sub_pages=2)}
 
 
 def plain(model, ids, mask, n):
@@ -42,7 +44,8 @@ def test_greedy_speculative_equals_greedy_plain(arch, draft):
         for gamma in (1, 3, 5):
             out = speculative_generate(model, ids, mask, draft=draft, gamma=gamma, max_new_tokens=24, draft_budget=16,
                                        eos_token_id=model.generation_config.eos_token_id,
-                                       pad_token_id=model.generation_config.pad_token_id)
+                                       pad_token_id=model.generation_config.pad_token_id,
+                                       **DRAFT_PARAMS.get(draft, {}))
             assert out.tolist() == ref.tolist(), (draft, gamma, ids.shape[0])
 
 

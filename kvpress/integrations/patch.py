@@ -241,6 +241,10 @@ class Patch:
                   self.prefill_chunk_size, self.question_tokens)
         return twin
 
+    def model_info(self) -> ModelInfo:
+        """What policies see of the patched model (the ModelInfo a policy's for_model resolves against)."""
+        return model_info(self.model, attention_modules_of(self.model), self.head_dim)
+
     def __enter__(self):
         return self
 

@@ -25,13 +25,13 @@ from ..cache import KVPressCache
 from ..integrations.hf import given_cache, with_cache
 from ..integrations.patching import patch_model
 from ..integrations.registry import patch_of
-from ..policies import (KIVI, Codec, HiP, Quant4View, Quest, ReadPolicy, RecycledAttention, Retrieval, SinkWindow,
+from ..policies import (KIVI, Codec, HiP, LServe, Quant4View, Quest, ReadPolicy, RecycledAttention, Retrieval, SinkWindow,
                         TidalDecode, TokenSelect, TopK)
 from ..policies.registry import check_params, resolve_policy
 
 DRAFTS = {"sink_window": SinkWindow, "retrieval": Retrieval, "quest": Quest, "topk": TopK, "token_select": TokenSelect,
           "recycled_attention": RecycledAttention, "hip": HiP,
-          "tidal_decode": TidalDecode, "quant4": Quant4View}
+          "tidal_decode": TidalDecode, "lserve": LServe, "quant4": Quant4View}
 # An unpatched model is patched for the calls that run on it (the target policy), and unpatched when the last of them
 # returns: calls on several threads at once share that one patch (model -> [patch, calls using it]).
 _SHARED: "weakref.WeakKeyDictionary[torch.nn.Module, list]" = weakref.WeakKeyDictionary()
@@ -263,6 +263,7 @@ def speculative_generate(model, input_ids, attention_mask=None, *, draft="sink_w
         else:
             shared = None  # the caller's own patch
     try:
+        view = view.for_model(patch_of(model).model_info())  # e.g. lserve's streaming heads, from the calibration
         return _loop(model, patch_of(model).policy, input_ids, mask, view, gamma, max_new_tokens, do_sample,
                      temperature, top_p, eos_token_id, pad_token_id, generator, return_stats, cache)
     finally:
