@@ -33,6 +33,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from . import arguments
 from .cache import KVPressCache
+from .channels import label_channels
 from .formats.calibration import FILE_NAME, Calibration, model_identity  # noqa: F401 (this module's public names)
 from .integrations import patch_model
 from .integrations.hf import with_cache
@@ -267,6 +268,7 @@ def calibrate(model, tokenizer, kind: str = "linear", target: str = "kvzip", n_t
                     source="stdlib docstrings + needle haystack + random facts")
     calibration = fit(records, model_identity(model), kind, held_out, tokens_per_text, mlp_hidden, mlp_steps, ridge,
                       n_sink, seed, settings)
+    calibration.channels = label_channels(model, texts, calibration.layers)  # Double Sparsity's, from the same texts
     calibration.metrics["seconds"] = round(time.perf_counter() - start, 1)
     log(f"held-out agreement with KVzip: {calibration.metrics}")
     return calibration
@@ -309,6 +311,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tokens", type=int, default=2048, help="tokens per text")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                         help="the model's dtype while calibrating (default float32)")
+    parser.add_argument("--channels-only", action="store_true",
+                        help="add Double Sparsity's label channels to the existing file at --out (its KVzap predictor "
+                             "and head errors stay as they are); a forward per text, seconds")
     return parser
 
 
@@ -320,13 +325,25 @@ def main(argv=None) -> None:
         arguments.at_least("--texts", args.texts, HELD_OUT + 1, f" ({HELD_OUT} texts are held out to measure the fit)")
         arguments.at_least("--tokens", args.tokens, MIN_TOKENS, " (tokens per text)")
         out = arguments.writable_file("--out", Path(args.out) if args.out else source / FILE_NAME)
+        if args.channels_only and not out.is_file():
+            raise ValueError(f"--out {out}: --channels-only adds label channels to an existing calibration file, and "
+                             f"there is none; allowed: a file `kvpress calibrate` made (without --channels-only)")
     except ValueError as e:
         parser.exit(2, f"kvpress calibrate: error: {e}\n")
     torch.set_grad_enabled(False)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, args.dtype)).eval()
     tokenizer = AutoTokenizer.from_pretrained(source)
-    calibration = calibrate(model, tokenizer, kind=args.kind, target=args.target, n_texts=args.texts,
-                            n_tokens=args.tokens, held_out=HELD_OUT)
+    if args.channels_only:
+        calibration = Calibration.load(out)
+        if calibration.identity != model_identity(model):
+            parser.exit(2, f"kvpress calibrate: error: --out {out} was made for another model; allowed: this model's "
+                           f"calibration file\n")
+        calibration.channels = label_channels(model, calibration_texts(tokenizer, args.texts, args.tokens),
+                                              calibration.layers)
+        calibration.settings["channels"] = dict(mode="qk", texts=args.texts, tokens=args.tokens)
+    else:
+        calibration = calibrate(model, tokenizer, kind=args.kind, target=args.target, n_texts=args.texts,
+                                n_tokens=args.tokens, held_out=HELD_OUT)
     calibration.save(out)
     print(f"wrote {out} ({out.stat().st_size / 1024:.0f} KiB)")
 

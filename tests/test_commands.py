@@ -38,6 +38,8 @@ def test_kvpress_models_refuses_an_unknown_name_before_any_download():
     (["--model", "smollm2", "--tokens", "0", "--out", "{folder}/c.safetensors"], "--tokens=0; allowed values: an int >= 64"),
     (["--model", "smollm2", "--out", "{file}/calibration.safetensors"], "--out="),
     (["--model", "smollm2", "--out", "{folder}"], "is a folder; allowed values: a file path you can write to"),
+    (["--model", "smollm2", "--channels-only", "--out", "{folder}/none.kvpress"],
+     "--channels-only adds label channels to an existing calibration file, and there is none"),
 ])
 def test_kvpress_calibrate_checks_every_flag_before_the_model_loads(argv, message, tmp_path):
     """A missing model folder gave a hub repo-id error, --texts 2 a traceback with internal names, --tokens 0 wrote

@@ -17,7 +17,9 @@ from conftest import tiny_model
 
 KINDS = sorted(set(DRAFTS) - {"quant4"})  # read-subset drafts; quant4 (a precision view) is tested apart
 # lserve's streaming heads need the model's calibration file: tests/test_lserve.py drafts with one
-DRAFT_PARAMS = {"lserve": dict(static_sparsity=0.0, page_size=8, sub_pages=2)}
+# double_sparsity's label channels likewise (tests/test_double_sparsity.py): here the first 4 of the tiny models' 16
+DRAFT_PARAMS = {"lserve": dict(static_sparsity=0.0, page_size=8, sub_pages=2),
+                "double_sparsity": dict(dense_layers=1, channels={i: torch.arange(4).expand(4, 4) for i in (0, 1)})}
 
 
 def plain(model, ids, mask, n):

@@ -59,6 +59,9 @@ class Calibration:
     identity: dict
     settings: dict = field(default_factory=dict)
     metrics: dict = field(default_factory=dict)
+    # [L, Hq, D] Double Sparsity's label channels: each query head's channels, most important first (None: not
+    # calibrated; `kvpress calibrate --channels-only` adds them to a file)
+    channels: torch.Tensor | None = None
     # per-layer predictor weights per device, moved there on first use (not at every decode step)
     _placed: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -85,11 +88,17 @@ class Calibration:
         chosen = chosen.view_as(self.head_error)
         return {layer: chosen[i] for i, layer in enumerate(self.layers)}
 
+    def label_channels(self, layer_idx: int, count: int) -> torch.Tensor:
+        """[Hq, count] the `count` most important channels of each query head of a layer (Double Sparsity)."""
+        return self.channels[self.layers.index(layer_idx), :, :count]
+
     def save(self, path) -> None:
         from safetensors.torch import save_file
 
         tensors = {name: t.contiguous().float() for name, t in self.tensors.items()}
         tensors["head_error"] = self.head_error.contiguous().float()
+        if self.channels is not None:
+            tensors["label_channels"] = self.channels.contiguous().long()
         meta = dict(format=FORMAT, kind=self.kind, layers=self.layers, identity=self.identity,
                     settings=self.settings, metrics=self.metrics)
         Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -105,9 +114,9 @@ class Calibration:
                 raise ValueError(f"calibration={str(path)!r} is not a kvpress calibration file ({FORMAT}); make one "
                                  f"with `kvpress calibrate --model <model> --out {path}`")
             tensors = {name: f.get_tensor(name) for name in f.keys()}
-        head_error = tensors.pop("head_error")
+        head_error, channels = tensors.pop("head_error"), tensors.pop("label_channels", None)
         return cls(meta["layers"], meta["kind"], tensors, head_error, meta["identity"], meta.get("settings", {}),
-                   meta.get("metrics", {}))
+                   meta.get("metrics", {}), channels)
 
     @classmethod
     def for_model(cls, model, path=None) -> "Calibration":

@@ -25,11 +25,12 @@ from .recycled_attention import RecycledAttention
 from .hip import HiP
 from .tidal_decode import TidalDecode
 from .lserve import LServe
+from .double_sparsity import DoubleSparsity
 
 __all__ = [
     "Policy", "BudgetPolicy", "AllocatedBudgetPolicy", "ScorerPolicy", "Context", "select_kept",
     "Codec", "ReadView", "DecodeEviction",
     "register", "list_policies", "get_policy_class", "resolve_policy",
     "NoCompression", "Knorm", "RandomPolicy", "TOVA", "SnapKV", "H2O", "Keyformer", "StreamingLLM", "KVzip", "ExpectedAttention", "KeyDiff", "KVzap", "DuoAttention",
-    "KIVI", "GEAR", "Composed", "ReadPolicy", "Quest", "Retrieval", "TopK", "SinkWindow", "TokenSelect", "RecycledAttention", "HiP", "TidalDecode", "LServe", "Quant4View",
+    "KIVI", "GEAR", "Composed", "ReadPolicy", "Quest", "Retrieval", "TopK", "SinkWindow", "TokenSelect", "RecycledAttention", "HiP", "TidalDecode", "LServe", "DoubleSparsity", "Quant4View",
 ]

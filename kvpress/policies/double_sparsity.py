@@ -1,0 +1,133 @@
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+
+from ..formats.calibration import Calibration
+from ..heads import HeadShards
+from .context import Context
+from .protocol import ModelInfo
+from .sparse import ReadPolicy, slots_of
+from .registry import register
+
+
+@register
+@dataclass
+class DoubleSparsity(ReadPolicy):
+    """Double Sparsity (Yang et al. 2024): each decode step reads, per KV head, the `budget` slots with the highest
+    approximate score over r = head_dim / group_factor "label" channels of each query head, s_j = q[C_h] . k_j[C_h] /
+    sqrt(r) (max over the KV head's query heads and rows), plus the step's own tokens; layers below `dense_layers`
+    read everything. C_h comes from the model's calibration file ('qk' mode: kvpress/channels.py; `kvpress calibrate`
+    makes it, `--channels-only` adds it to an existing file). The label cache holds every stored key's r channels
+    per query head, min-max quantized per token to `label_bits` (16: as stored), as is the query's side; it grows as
+    tokens arrive and is read instead of the keys (r / D of their channels).
+
+    Differences from the official code (andy-yang-1/DoubleSparse), each named: the top-k is per KV head over its
+    query heads (the reference repeats KV and picks per query head; one set per group keeps the read at `budget`
+    slots per KV head); label_bits reaches every layer (the reference's converter does not forward it: its layers
+    stay at 4 bits); decode and verification steps only (its perplexity path selects per prompt row)."""
+
+    name = "double_sparsity"
+    allowed_label_bits: ClassVar[tuple] = (2, 4, 8, 16)
+    budget: int = 256
+    group_factor: int = 8
+    label_bits: int = 4
+    dense_layers: int = 2
+    calibration: str | None = None
+    # {layer_idx: [Hq, r] channels}, resolved from the calibration file when patching
+    channels: object = field(default=None, repr=False, compare=False)
+
+    def validate(self) -> None:
+        super().validate()
+        if self.group_factor < 1:
+            raise ValueError(f"double_sparsity: group_factor={self.group_factor!r}; allowed values: an int >= 1 "
+                             f"(r = head_dim / group_factor label channels)")
+        if self.label_bits not in self.allowed_label_bits:
+            raise ValueError(f"double_sparsity: label_bits={self.label_bits!r}; allowed values: "
+                             f"{list(self.allowed_label_bits)}")
+        if self.dense_layers < 0:
+            raise ValueError(f"double_sparsity: dense_layers={self.dense_layers!r}; allowed values: an int >= 0")
+
+    def for_model(self, model: ModelInfo) -> "DoubleSparsity":
+        if self.channels is not None:
+            return self
+        r = model.head_dim // self.group_factor
+        if r < 1:
+            raise ValueError(f"double_sparsity: group_factor={self.group_factor} leaves no channel of the model's "
+                             f"head_dim={model.head_dim}; allowed values: 1 <= group_factor <= {model.head_dim}")
+        calibration = Calibration.for_model(model, self.calibration)
+        if calibration.channels is None:
+            raise ValueError(f"double_sparsity: calibration={self.calibration!r} has no label channels; allowed: a "
+                             f"file with them (`kvpress calibrate --model <model folder> --channels-only` adds them)")
+        return dataclasses.replace(self, channels={layer: calibration.label_channels(layer, r)
+                                                   for layer in calibration.layers})
+
+    def select(self, ctx: Context):
+        layer = ctx.layer
+        real = layer.key_valid()
+        if ctx.layer_idx < self.dense_layers:
+            return slots_of(real)
+        channels = self._channels(ctx)  # [Hq, r]
+        labels = label_cache(layer, ("double_sparsity", self.group_factor, self.label_bits, self.calibration),
+                             channels, self.label_bits)  # [B, Hq, T, r]
+        q = ctx.query.float().gather(-1, channels[None, :, None].expand(ctx.query.shape[0], -1, ctx.q_len, -1))
+        q = quantized(q, self.label_bits)
+        scores = (q @ labels.transpose(-1, -2)) / channels.shape[-1] ** 0.5  # [B, Hq, r_rows, T]
+        batch, hq, rows, width = scores.shape
+        scores = scores.view(batch, layer.num_kv_heads, -1, width).amax(2)  # max over the group's heads and rows
+        own = torch.arange(width, device=scores.device) >= width - ctx.q_len
+        scores = scores.masked_fill(~real | own, float("-inf"))
+        top = scores.topk(min(self.budget, width), dim=-1)
+        chosen = own.expand_as(real).clone()
+        chosen.scatter_(-1, top.indices, torch.isfinite(top.values))
+        return slots_of(chosen & real)
+
+    def _channels(self, ctx: Context) -> torch.Tensor:
+        channels = self.channels[ctx.layer_idx]
+        hq = ctx.query.shape[1]
+        return HeadShards.of(hq, channels.shape[0]).local(channels, 0).to(ctx.query.device)
+
+
+def quantized(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """x min-max quantized per row of its last dim to `bits` and read back (16: x itself)."""
+    if bits >= 16:
+        return x
+    lo, hi = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
+    scale = ((hi - lo) / ((1 << bits) - 1)).clamp(min=1e-8)
+    return ((x - lo) / scale).round() * scale + lo
+
+
+def label_cache(layer, key: tuple, channels: torch.Tensor, bits: int) -> torch.Tensor:
+    """[B, Hq, T, r] every stored key's label channels per query head (layer.derived[key]; extended as tokens
+    arrive)."""
+    cache = layer.derived.get(key)
+    if cache is None:
+        cache = layer.derived[key] = _Labels(channels, bits)
+    return cache.update(layer)
+
+
+class _Labels:
+    """The label cache of one layer: labels of its first `complete` slots, the rest computed on the next read."""
+
+    def __init__(self, channels: torch.Tensor, bits: int):
+        self.channels, self.bits, self.labels, self.complete = channels, bits, None, 0
+
+    def truncate(self, n_slots: int) -> None:
+        self.complete = min(self.complete, n_slots)
+
+    def update(self, layer) -> torch.Tensor:
+        width = layer.view_width
+        if self.labels is None or self.complete < width:
+            keys = layer.keys_view()[:, :, self.complete:].float()  # [B, Hkv, n, D]
+            batch, hkv, n, dim = keys.shape
+            hq, r = self.channels.shape
+            per_head = keys.repeat_interleave(hq // hkv, 1)  # each query head's KV head
+            new = per_head.gather(-1, self.channels[None, :, None].expand(batch, -1, n, -1))
+            new = quantized(new, self.bits)
+            old = None if self.labels is None else self.labels[:, :, :self.complete]
+            self.labels = new if old is None else torch.cat([old, new], 2)
+            self.complete = width
+        return self.labels
