@@ -7,6 +7,7 @@ from typing import ClassVar
 import torch
 
 from ..formats.calibration import Calibration
+from ..formats.lowbit import pack, quantize, unpack_floats
 from ..heads import HeadShards
 from .context import Context
 from .protocol import ModelInfo
@@ -22,8 +23,8 @@ class DoubleSparsity(ReadPolicy):
     sqrt(r) (max over the KV head's query heads and rows), plus the step's own tokens; layers below `dense_layers`
     read everything. C_h comes from the model's calibration file ('qk' mode: kvpress/channels.py; `kvpress calibrate`
     makes it, `--channels-only` adds it to an existing file). The label cache holds every stored key's r channels
-    per query head, min-max quantized per token to `label_bits` (16: as stored), as is the query's side; it grows as
-    tokens arrive and is read instead of the keys (r / D of their channels).
+    per query head, min-max quantized per token to `label_bits` (packed, with an fp16 scale and min; 16: fp16
+    values), as is the query's side; it grows as tokens arrive and is read instead of the keys.
 
     Differences from the official code (andy-yang-1/DoubleSparse), each named: the top-k is per KV head over its
     query heads (the reference repeats KV and picks per query head; one set per group keeps the read at `budget`
@@ -95,14 +96,13 @@ def quantized(x: torch.Tensor, bits: int) -> torch.Tensor:
     """x min-max quantized per row of its last dim to `bits` and read back (16: x itself)."""
     if bits >= 16:
         return x
-    lo, hi = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
-    scale = ((hi - lo) / ((1 << bits) - 1)).clamp(min=1e-8)
-    return ((x - lo) / scale).round() * scale + lo
+    codes, scale, low = quantize(x, bits, dim=-1)
+    return codes.float() * scale.float()[..., None] + low.float()[..., None]
 
 
 def label_cache(layer, key: tuple, channels: torch.Tensor, bits: int) -> torch.Tensor:
-    """[B, Hq, T, r] every stored key's label channels per query head (layer.derived[key]; extended as tokens
-    arrive)."""
+    """fp32 [B, Hq, T, r] every stored key's label channels per query head, as quantized (layer.derived[key] holds
+    them packed, extended as tokens arrive)."""
     cache = layer.derived.get(key)
     if cache is None:
         cache = layer.derived[key] = _Labels(channels, bits)
@@ -110,24 +110,35 @@ def label_cache(layer, key: tuple, channels: torch.Tensor, bits: int) -> torch.T
 
 
 class _Labels:
-    """The label cache of one layer: labels of its first `complete` slots, the rest computed on the next read."""
+    """The label cache of one layer: the labels of its first slots, packed `bits`-bit codes with an fp16 scale and min
+    per (slot, query head) (16 bits: fp16 values); the slots after them are encoded on the next read."""
 
     def __init__(self, channels: torch.Tensor, bits: int):
-        self.channels, self.bits, self.labels, self.complete = channels, bits, None, 0
+        self.channels, self.bits, self.parts = channels, bits, None  # parts: (codes or values, scale, min)
+
+    @property
+    def complete(self) -> int:
+        return 0 if self.parts is None else self.parts[0].shape[2]
 
     def truncate(self, n_slots: int) -> None:
-        self.complete = min(self.complete, n_slots)
+        if self.parts is not None:
+            self.parts = tuple(None if t is None else t[:, :, :n_slots] for t in self.parts)
 
     def update(self, layer) -> torch.Tensor:
-        width = layer.view_width
-        if self.labels is None or self.complete < width:
+        if self.complete < layer.view_width:
             keys = layer.keys_view()[:, :, self.complete:].float()  # [B, Hkv, n, D]
-            batch, hkv, n, dim = keys.shape
+            batch, hkv, n, _ = keys.shape
             hq, r = self.channels.shape
             per_head = keys.repeat_interleave(hq // hkv, 1)  # each query head's KV head
-            new = per_head.gather(-1, self.channels[None, :, None].expand(batch, -1, n, -1))
-            new = quantized(new, self.bits)
-            old = None if self.labels is None else self.labels[:, :, :self.complete]
-            self.labels = new if old is None else torch.cat([old, new], 2)
-            self.complete = width
-        return self.labels
+            labels = per_head.gather(-1, self.channels[None, :, None].expand(batch, -1, n, -1))
+            if self.bits >= 16:
+                new = (labels.half(), None, None)
+            else:
+                codes, scale, low = quantize(labels, self.bits, dim=-1)
+                new = (pack(codes, self.bits), scale, low)
+            self.parts = new if self.parts is None else tuple(
+                None if a is None else torch.cat([a, b], 2) for a, b in zip(self.parts, new))
+        values, scale, low = self.parts
+        if self.bits >= 16:
+            return values.float()
+        return unpack_floats(values, self.bits) * scale.float()[..., None] + low.float()[..., None]
