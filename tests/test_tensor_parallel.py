@@ -18,7 +18,8 @@ _COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden
                num_key_value_heads=2, max_position_embeddings=1024, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 MODELS = {"llama": lambda: LlamaForCausalLM(LlamaConfig(**_COMMON)),
           "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(**_COMMON, head_dim=16))}
-CROSS_HEAD = {"snapkv adaptive", "tova", "expected_attention adaptive", "kvzip global"}
+CROSS_HEAD = {"snapkv adaptive", "tova", "expected_attention adaptive", "kvzip global", "token_select",
+              "recycled_attention"}
 # torchrun started from the interpreter running the suite (not whatever `torchrun` is on PATH, if any): the
 # multi-process tests run wherever the suite runs, e.g. a virtual environment's python that is not activated
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]

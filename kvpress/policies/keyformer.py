@@ -4,6 +4,7 @@ from typing import ClassVar
 import torch
 
 from .context import Context
+from .protocol import Needs
 from .roles import DecodeEviction
 from .scorer import ScorerPolicy
 from .selection import last_slots
@@ -49,6 +50,9 @@ class Keyformer(ScorerPolicy, DecodeEviction):
             raise ValueError(f"keyformer: tau_init={self.tau_init!r}; allowed values: a float > 0")
         if not self.tau_delta >= 0:
             raise ValueError(f"keyformer: tau_delta={self.tau_delta!r}; allowed values: a float >= 0")
+
+    def needs(self) -> Needs:
+        return super().needs() | Needs(all_heads=True)  # the noise is drawn per query head, numbered model-wide
 
     def query_rows(self) -> int:
         return 0  # observe accumulates every row's score as the rows pass

@@ -4,6 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from .context import Context
+from .protocol import Needs
 from .sparse import ReadPolicy, slots_of
 from .registry import register
 
@@ -41,6 +42,9 @@ class RecycledAttention(ReadPolicy):
             raise ValueError("recycled_attention: similarity=nan; allowed values: None (a fixed stride) or a float")
         if self.pool_kernel < 1 or self.pool_kernel % 2 == 0:
             raise ValueError(f"recycled_attention: pool_kernel={self.pool_kernel!r}; allowed values: an odd int >= 1")
+
+    def needs(self) -> Needs:
+        return Needs(all_heads=True)  # the query fingerprint sums every head of the model
 
     @property
     def _key(self) -> tuple:  # this configuration's state in a layer (layer.derived)

@@ -4,6 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from .context import Context
+from .protocol import Needs
 from .sparse import ReadPolicy, slots_of
 from .registry import register
 
@@ -52,6 +53,9 @@ class TokenSelect(ReadPolicy):
                              f"int >= 1")
         if self.reuse_threshold != self.reuse_threshold:
             raise ValueError("token_select: reuse_threshold=nan; allowed values: a float (> 1: never reuse)")
+
+    def needs(self) -> Needs:
+        return Needs(all_heads=True)  # the vote and the query's closeness sum every head of the model
 
     @property
     def init(self) -> int:

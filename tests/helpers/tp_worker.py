@@ -33,6 +33,11 @@ CONFIGS = [  # (label, policy, params)
     ("retrieval", "retrieval", dict(budget=24)),
     ("topk", "topk", dict(budget=24)),
     ("sink_window", "sink_window", dict(budget=24)),
+    ("keyformer", "keyformer", dict(compression_ratio=0.5)),
+    ("token_select", "token_select", dict(budget=24, n_init=2, n_local=6)),
+    ("recycled_attention", "recycled_attention", dict(budget=24, stride=3)),
+    ("hip", "hip", dict(budget=24, n_sink=2, window=6)),
+    ("tidal_decode", "tidal_decode", dict(budget=16, sparse_layer_start=0, correction_layer=None)),
 ]
 
 
