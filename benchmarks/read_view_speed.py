@@ -1,0 +1,88 @@
+"""Decode speed of the read views against the full cache, on one prefill: the prompt is prefilled once (policy none),
+then each view decodes `--new-tokens` greedy tokens on its own fork of that cache, and the full cache does the same
+unpatched-policy run ("none"). Prints per config: ms per decode step (median of the steps after the first two),
+tokens per second, the ratio to the full cache, and the fraction of the stored slots attention read per step.
+
+    python benchmarks/read_view_speed.py --lengths 8192,16384 --budget-fraction 0.1 --new-tokens 32 \
+        --views quest,retrieval,token_select,recycled_attention,hip,tidal_decode,lserve,double_sparsity
+
+A view that observes the prompt (recycled_attention builds its first partial set from the prompt's last token)
+sees a prefill it did not run: its first step is then a full one, as when it drafts for another target.
+Only kvpress's public API is used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+import kvpress
+from kvpress import KVPressCache
+from kvpress.needle import needle_prompt
+
+
+def decode(model, cache, first_token, steps: int, view: str | None, params: dict):
+    """Per-step seconds and the mean fraction of stored slots read (1.0 for the full cache)."""
+    reads = []
+    view_type = kvpress.policies.get_policy_class(view) if view else None
+    real_select = view_type.select if view_type else None
+    if view_type:
+        def counting(self, ctx):
+            indices, valid = real_select(self, ctx)
+            held = ctx.layer.key_valid().sum(-1).float()
+            reads.append(float(((valid & ctx.layer.key_valid().gather(-1, indices)).sum(-1) / held).mean()))
+            return indices, valid
+        view_type.select = counting
+    times, token = [], first_token
+    try:
+        with kvpress.patch_model(model, view or "none", **params), torch.no_grad():
+            for _ in range(steps):
+                start = time.perf_counter()
+                logits = model(token, past_key_values=cache, use_cache=True).logits
+                token = logits[:, -1:].argmax(-1)
+                times.append(time.perf_counter() - start)
+    finally:
+        if view_type:
+            view_type.select = real_select
+    return times, (sum(reads) / len(reads) if reads else 1.0)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--lengths", default="8192,16384")
+    p.add_argument("--budget-fraction", type=float, default=0.1, help="each view's budget: this fraction of the prompt")
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--views", default="quest,retrieval,token_select,recycled_attention,hip,tidal_decode,lserve,"
+                                      "double_sparsity")
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from kvpress.models import load
+
+    model, tok = load(args.model, dtype=getattr(torch, args.dtype))
+    for length in map(int, args.lengths.split(",")):
+        ids = needle_prompt(tok, length, seed=1).input_ids
+        prompt = KVPressCache(model.config)
+        with kvpress.patch_model(model, "none"), torch.no_grad():
+            first = model(ids, past_key_values=prompt, use_cache=True).logits[:, -1:].argmax(-1)
+        budget = int(args.budget_fraction * ids.shape[1])
+        full = None
+        for view in [None] + args.views.split(","):
+            times, read = decode(model, prompt.fork(), first, args.new_tokens, view, {} if view is None else
+                                 dict(budget=budget))
+            ms = statistics.median(times[2:]) * 1000
+            full = full or ms
+            row = dict(length=ids.shape[1], view=view or "none (full cache)", budget=None if view is None else budget,
+                       ms_per_step=round(ms, 1), tok_s=round(1000 / ms, 2), vs_full=round(full / ms, 2),
+                       read_fraction=round(read, 3), threads=args.threads, dtype=args.dtype)
+            print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
