@@ -346,7 +346,9 @@ def test_page_stats_follow_appends_and_rollback():
 # ---------------------------------------------------------------------------- bad input
 @pytest.mark.parametrize("kwargs,match", [
     (dict(gamma=0), r"gamma=0; allowed values: an int >= 1"),
-    (dict(draft="medusa"), r"draft='medusa' is unknown; allowed values: \['quant4', 'quest', 'retrieval', 'sink_window', 'topk'\]"),
+    (dict(draft="medusa"), r"draft='medusa' is unknown; allowed values: \['double_sparsity', 'hip', 'lserve', 'quant4', "
+                           r"'quest', 'recycled_attention', 'retrieval', 'sink_window', 'tidal_decode', 'token_select', "
+                           r"'topk'\]"),
     (dict(draft="quant4", gamma=200), r"gamma=200 exceeds the full-precision residual"),
     (dict(draft_budget=500), r"draft_budget=500 is larger than the context \(40 tokens\)"),
     (dict(do_sample=True, temperature=0.0), r"temperature=0.0; allowed values"),
