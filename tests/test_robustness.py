@@ -20,6 +20,7 @@ from kvpress.speculative import DRAFTS, speculative_generate
 
 from conftest import greedy, tiny_model
 from test_query_agnostic import TOK
+from test_speculative import DRAFT_PARAMS
 
 THREAD_POLICIES = [("snapkv", dict(compression_ratio=0.5)), ("h2o", dict(compression_ratio=0.5)),
                    ("keyformer", dict(compression_ratio=0.5)), ("tova", dict(compression_ratio=0.5)), ("streaming_llm", dict(compression_ratio=0.5)),
@@ -244,7 +245,8 @@ def test_speculative_on_a_sliding_window_model_equals_greedy(draft):
     ref = model.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False)
     assert ref.shape[1] == 84
     for gamma in (1, 3):
-        out = speculative_generate(model, ids, mask, draft=draft, gamma=gamma, max_new_tokens=20, draft_budget=16)
+        out = speculative_generate(model, ids, mask, draft=draft, gamma=gamma, max_new_tokens=20, draft_budget=16,
+                                   **DRAFT_PARAMS.get(draft, {}))  # (calibrated drafts: their settings given)
         assert out.tolist() == ref.tolist(), (draft, gamma)
 
 
