@@ -64,15 +64,15 @@ class RecycledAttention(ReadPolicy):
         else:
             state.since += 1
             full = self._due(ctx, state)
-        if bool(full.any()):
-            state = _Partial.built(self, ctx, full, state if state is not None and state.usable else None)
-            layer.derived[self._key] = state
+        if not bool(full.any()):
+            return state.partial_set(self.budget, layer.view_width)
+        state = _Partial.built(self, ctx, full, state if state is not None and state.usable else None)
+        layer.derived[self._key] = state
+        # a row taking a full step reads every slot: as a mask, with the partial rows' slots
         real = layer.key_valid()
-        if bool(full.any()):  # (a row taking a full step reads every slot: as a mask, with the partial rows')
-            indices, valid = state.partial_set(self.budget, layer.view_width)
-            partial = torch.zeros_like(real).scatter_(-1, indices, valid) & real
-            return slots_of(torch.where(full[:, None, None], real, partial))
-        return state.partial_set(self.budget, layer.view_width)
+        indices, valid = state.partial_set(self.budget, layer.view_width)
+        partial = torch.zeros_like(real).scatter_(-1, indices, valid) & real
+        return slots_of(torch.where(full[:, None, None], real, partial))
 
     def _due(self, ctx: Context, state: "_Partial") -> torch.Tensor:
         """[B] rows that take a full step now."""
