@@ -14,7 +14,7 @@ another under `Rows`, which runs each row's own policy. Low-bit storage and cust
 
 Only public pieces of kvpress are used: Policy hooks and declarations (needs, decode_change, roles),
 ScorerPolicy.prefill_scores / cut_copy (one scoring, one cut per ratio) and score / protected for Rows,
-evict_to_budget, KVPressCache.fork_with / stack, KVPressLayer.low_bit / is_flat. tests/test_evals_engine.py checks
+evict_to_budget, KVPressCache.fork_with / stack, KVPressLayer.codes / is_flat. tests/test_evals_engine.py checks
 every config against its own plain patched `generate`: same kept slots, same tokens."""
 
 from __future__ import annotations
@@ -275,7 +275,7 @@ def decode_batches(pre: Prefill, configs: list[Config], separate: bool = False) 
     for c in configs:
         key = _params_key(made[c])
         layers = [layer for _, layer in pre.caches[c].kvpress_layers()]
-        if any(layer.low_bit is not None for layer in layers):
+        if any(layer.codes for layer in layers):
             alone.append(c)  # low-bit codes: no row stacking
         elif _passive(made[c]) and any(layer.is_flat for layer in layers):
             passive_flat.append(c)

@@ -32,7 +32,8 @@ class CharTokenizer:
 
 
 TOK = CharTokenizer()
-# every storage kind: rectangular evicted, flat (per-head runs), low-bit (rectangular and flat), composed, GEAR
+# every storage kind: rectangular evicted, flat (per-head runs), low-bit (rectangular and flat), composed, GEAR,
+# one code segment per width (ZipCache)
 STORAGE = {
     "evicted": ("snapkv", dict(compression_ratio=0.5)),
     "flat": ("snapkv", dict(compression_ratio=0.5, budget_allocation="adaptive")),
@@ -43,6 +44,7 @@ STORAGE = {
                                          group_size=16, residual_length=16)),
     "gear": ("keydiff+gear", dict(compression_ratio=0.5, bits=4, group_size=16, residual_length=16)),
     "decode_eviction": ("h2o", dict(compression_ratio=0.5)),
+    "mixed_width": ("snapkv+zipcache", dict(compression_ratio=0.5, budget_allocation="adaptive", group_size=16)),
 }
 
 

@@ -34,6 +34,7 @@ PARAMS = {
     "duo_attention": dict(streaming_heads=0.5, n_sink=2, window=16, slack=4, calibration=None),
     "kivi": dict(bits=2, group_size=16, residual_length=16),
     "gear": dict(bits=2, group_size=16, residual_length=16),
+    "zipcache": dict(group_size=16, residual_length=16),
     "quest": dict(budget=24, page_size=8),
     "retrieval": dict(budget=24),
     "sink_window": dict(budget=24),
@@ -49,6 +50,7 @@ COMPOSED = {
     "snapkv+kivi": dict(compression_ratio=0.6, window_size=8, bits=2, group_size=16, residual_length=16),
     "kvzip+gear": dict(compression_ratio=0.6, chunk_size=16, tokenizer=TOK, bits=2, group_size=16,
                        residual_length=16),
+    "snapkv+zipcache": dict(compression_ratio=0.6, window_size=8, group_size=16, residual_length=16),
 }
 
 
@@ -111,7 +113,7 @@ def test_slack_cuts_each_row_on_its_own_schedule():
     _assert_rows_as_alone("h2o", dict(budget=80, slack=3))
 
 
-CHUNKABLE = sorted(set(PARAMS) - {"kivi", "gear", "quest", "retrieval", "sink_window", "topk", "token_select", "recycled_attention", "hip", "tidal_decode", "lserve", "double_sparsity"})
+CHUNKABLE = sorted(set(PARAMS) - {"kivi", "gear", "zipcache", "quest", "retrieval", "sink_window", "topk", "token_select", "recycled_attention", "hip", "tidal_decode", "lserve", "double_sparsity"})
 
 
 @pytest.mark.parametrize("name", CHUNKABLE)

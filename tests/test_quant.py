@@ -455,7 +455,7 @@ def test_decode_over_evicted_and_quantized_cache_equals_dense_reference(arch):
         snapshot = []
         for layer in cache.layers:
             assert layer.quantized_len == 32 and layer.view_width == 60
-            kd, vd = layer.low_bit.data.dequantize(0, layer.quantized_len)
+            kd, vd = layer.codes[0].data.dequantize(0, layer.quantized_len)
             snapshot.append((torch.cat([kd, layer.tail.data.keys], 2), torch.cat([vd, layer.tail.data.values], 2)))
         logits = model(nxt, past_key_values=cache).logits
     dense = DynamicCache()

@@ -199,7 +199,7 @@ def test_kvzip_composes_with_a_codec_after_its_global_selection():
         total = sum(int(layer.tokens_per_head().sum()) for layer in cache.layers)
         assert total == 2 * 2 * 80  # the budget, after selection
         for layer in cache.layers:
-            low = layer.low_bit
+            low = layer.codes[0] if layer.codes else None
             assert low is not None and low.flat and bool((low.lengths % 16 == 0).all())
         out = greedy(model, ids, 4)
     assert out.shape == (1, 164)

@@ -59,7 +59,7 @@ def check(layer: KVPressLayer, ref: Reference):
     exact = sum(1 for row in ref.tokens for held in row for _, _, e in held.values() if e)
     if all(not s.low_bit for s in layer.segments):
         assert layer.kv_nbytes() >= kept * 2 * D * 4
-    if layer.is_flat and layer.low_bit is None and layer.tail.num_slots == 0:
+    if layer.is_flat and not layer.codes and layer.tail.num_slots == 0:
         assert layer.kv_nbytes() == kept * 2 * D * 4  # flat: exactly the kept tokens
     assert exact <= kept
 
@@ -95,7 +95,7 @@ def _flush(layer, ref, residual) -> bool:
     before = sum(not exact for row in ref.tokens for held in row for _, _, exact in held.values())
     positions, valid = layer.key_positions(), layer.key_valid()
     layer.flush_low_bit(residual, GROUP, lambda k, v, ok: encode_kivi(k, v, ok, 4, GROUP))
-    low = layer.low_bit
+    low = layer.codes[0] if layer.codes else None
     if low is None:
         return False
     batch, heads = positions.shape[:2]
@@ -185,7 +185,7 @@ def test_flat_low_bit_segments_round_trip_through_rows():
     ok = torch.arange(64) < counts[..., None]
     layer.keep(indices, ok)
     layer.flush_low_bit(8, GROUP, lambda k, v, o: encode_kivi(k, v, o, 4, GROUP))
-    assert layer.low_bit.flat and layer.is_flat
+    assert layer.codes[0].flat and layer.is_flat
     before = {(b, h): set(layer.key_positions()[b, h][layer.key_valid()[b, h]].tolist())
               for b in range(3) for h in range(2)}
     layer.reorder_cache(torch.tensor([2, 0, 1]))

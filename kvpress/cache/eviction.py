@@ -28,17 +28,14 @@ def compact(layer, indices: torch.Tensor, keep_valid: torch.Tensor | None = None
         keep_valid = keep_valid.gather(-1, order)
     parts = _split(layer, indices, keep_valid)
     offsets = layer.offsets()
-    low_bit = layer.low_bit
-    kept = []
-    if low_bit is not None:
-        idx, ok = parts[0]
-        kept.append(low_bit.keep(idx, ok, 0))
+    codes = layer.codes  # lead the layer: segment i is parts[i]
+    kept = [segment.keep(*parts[i], offsets[i]) for i, segment in enumerate(codes)]
     full = [(s, parts[i], offsets[i]) for i, s in enumerate(layer.segments) if not s.low_bit]
     real = layer.key_valid().gather(-1, indices)
     if keep_valid is not None:
         real = real & keep_valid
     counts = real.sum(-1)
-    goes_flat = (low_bit is None or low_bit.flat) and (
+    goes_flat = all(c.flat for c in codes) and (
         layer.is_flat or bool((counts != counts[:, :1]).any()))
     if goes_flat:
         flat = None
@@ -139,7 +136,7 @@ def to_rectangular(layer) -> None:
     (read views). Costs the widest head's memory in every head."""
     if not layer.is_flat:
         return
-    if layer.low_bit is not None:
+    if layer.codes:
         raise RuntimeError("to_rectangular: a flat layer with low-bit codes cannot be padded back")
     names = {n for s in layer.segments for n in s.state}
     views = (layer.keys_view(), layer.values_view(), layer.key_positions(), layer.key_valid(),

@@ -18,10 +18,14 @@ from .segments import Segment, empty_tail
 from .view import flat_full_precision
 
 
-def flush_low_bit(layer, residual: int, group: int, encode) -> None:
+def flush_low_bit(layer, residual: int, group: int, encode, partition=None) -> None:
     """Move the oldest full-precision slots into low-bit codes via `encode(keys, values, valid)` (rectangular
     [B, Hkv, n, D], n a multiple of `group`), keeping at least `residual` newest slots in full precision
-    (per head in a flat layer). Returns nothing; the low-bit segment grows."""
+    (per head in a flat layer). Returns nothing; the low-bit segment grows.
+
+    Mixed widths (ZipCache): `partition(keys, values, valid, positions)` splits the n moved slots into shares,
+    a list of (take [B, Hkv, n_i] slot indices in slot order, real [B, Hkv, n_i]) with n_i a multiple of
+    `group`; `encode` is then a list of encoders, one per share, and share i joins the layer's i-th code segment."""
     layer.sort()  # "oldest" is by position
     if not layer.is_flat:
         # rectangular: the same number of slots in every head (fillers count as slots). Nothing to move here
@@ -30,30 +34,62 @@ def flush_low_bit(layer, residual: int, group: int, encode) -> None:
         n = ((layer.view_width - layer.quantized_len - residual) // group) * group
         if n <= 0:
             return
-    if layer.is_flat or (layer.low_bit is None and not _rows_align_to(layer, group)):
+    if layer.is_flat or (not layer.codes and not _rows_align_to(layer, group)):
         # Flat runs group each row from its own first token and flush its own count, so a row behind padding
         # (or behind the fillers of a row that kept fewer tokens) is quantized as it is alone.
-        _flush_flat(layer, residual, group, encode)
+        _flush_flat(layer, residual, group, encode, partition)
         return
     tail = layer.tail
+    batch, heads = layer.batch_heads
+    valid = tail.view_valid(batch, heads, layer.device)
+    # a mixed-width flush gives every moved slot an explicit position (its shares are not runs of the view)
+    positions = (tail.positions if partition is None
+                 else tail.view_positions(layer.tail_start(), batch, heads, layer.device))
     # (slices are cloned: a view would keep the tail's whole tensor alive, and nbytes() would under-report it)
-    moved = Segment(encode(tail.data.keys[:, :, :n], tail.data.values[:, :, :n],
-                           tail.view_valid(*layer.batch_heads, layer.device)[..., :n]),
-                    None if tail.positions is None else tail.positions[..., :n].clone(),
-                    None if tail.valid is None else tail.valid[..., :n].clone(),
-                    {name: s[..., :n].clone() for name, s in tail.state.items()})
+    moved = _encoded(encode, partition, tail.data.keys[:, :, :n], tail.data.values[:, :, :n], valid[..., :n],
+                     None if positions is None else positions[..., :n].clone(),
+                     None if tail.valid is None else tail.valid[..., :n].clone(),
+                     {name: s[..., :n].clone() for name, s in tail.state.items()})
     rest = Segment(FullPrecision(tail.data.keys[:, :, n:].clone(), tail.data.values[:, :, n:].clone()),
-                   None if tail.positions is None else tail.positions[..., n:].clone(),
+                   None if positions is None else positions[..., n:].clone(),
                    None if tail.valid is None else tail.valid[..., n:].clone(),
                    {name: s[..., n:].clone() for name, s in tail.state.items()})
-    low_bit = layer.low_bit
-    if low_bit is not None:
-        moved = Segment(low_bit.data.cat(moved.data), _cat(low_bit.positions, moved.positions),
-                        _cat_valid(low_bit, moved), {name: torch.cat([low_bit.state[name], s], -1)
-                                                      for name, s in moved.state.items()})
-    layer.segments = [moved, rest]
+    layer.segments = [*_joined(layer.codes, moved, _cat_rect), rest]
+    layer.explicit_positions = layer.explicit_positions or partition is not None
     layer.derived = {}
     layer.mark_changed()
+
+
+def _encoded(encode, partition, keys, values, valid, positions, stored_valid, state) -> list[Segment]:
+    """The moved slots as code segments: one (in slot order, `stored_valid` / `positions` as the tail had them)
+    or, with a partition, one per share (gathered in slot order, explicit positions, fillers invalid)."""
+    if partition is None:
+        return [Segment(encode(keys, values, valid), positions, stored_valid, state)]
+    shares = partition(keys, values, valid, positions)
+    if len(shares) != len(encode):
+        raise ValueError(f"flush_low_bit: the partition gave {len(shares)} shares for {len(encode)} encoders")
+    return [Segment(enc(take_slots(keys, take), take_slots(values, take), real), positions.gather(-1, take),
+                    None if bool(real.all()) else real, {name: s.gather(-1, take) for name, s in state.items()})
+            for enc, (take, real) in zip(encode, shares)]
+
+
+def _joined(codes: list[Segment], moved: list[Segment], join) -> list[Segment]:
+    """The layer's code segments with the moved ones behind them, segment i with share i."""
+    if not codes:
+        return moved
+    if len(codes) != len(moved):
+        raise RuntimeError(f"flush_low_bit: this layer holds {len(codes)} low-bit segments and the codec flushes "
+                           f"{len(moved)}; one codec's widths must stay the same for the whole cache")
+    return [join(old, new) for old, new in zip(codes, moved)]
+
+
+def _cat_rect(old: Segment, new: Segment) -> Segment:
+    return Segment(old.data.cat(new.data), _cat(old.positions, new.positions), _cat_valid(old, new),
+                   {name: torch.cat([old.state[name], s], -1) for name, s in new.state.items()})
+
+
+def _cat_runs(old: Segment, new: Segment) -> Segment:
+    return old.cat_runs(new)
 
 
 def _rows_align_to(layer, group: int) -> bool:
@@ -65,7 +101,7 @@ def _rows_align_to(layer, group: int) -> bool:
     return bool(((~layer.key_valid()).sum(-1) == lead).all()) and bool((lead % group == 0).all())
 
 
-def _flush_flat(layer, residual: int, group: int, encode) -> None:
+def _flush_flat(layer, residual: int, group: int, encode, partition) -> None:
     """Flat layer: each head moves its oldest whole groups, keeping >= residual full-precision tokens."""
     # Most decode steps move nothing (a head flushes once per `group` tokens): after a count that finds nothing
     # to move, nothing is counted again until enough tokens have arrived for the fullest head to fill a group.
@@ -77,7 +113,7 @@ def _flush_flat(layer, residual: int, group: int, encode) -> None:
     if not bool((n_move > 0).any()):
         layer.derived[key] = _NoFlushBefore(layer.appended + int((residual + group - full_precision).min()))
         return
-    if _flush_right_aligned_tail(layer, full_precision, n_move, encode):
+    if _flush_right_aligned_tail(layer, full_precision, n_move, encode, partition):
         return
     fp = flat_full_precision(layer)
     grid, ok = fp.grid()
@@ -87,30 +123,30 @@ def _flush_flat(layer, residual: int, group: int, encode) -> None:
     # Encode the moved tokens per head (groups never span two heads): as a rectangle padded with invalid
     # fillers, which never stretch a group's range, then flattened without them.
     real = move[..., :width]
-    codes = encode(fp.view(fp.data.keys)[:, :, :width], fp.view(fp.data.values)[:, :, :width], real)
-    moved = Segment(codes, fp.view(fp.positions)[..., :width], real,
-                    {n: fp.view(s)[..., :width] for n, s in fp.state.items()}).to_flat(0)
-    low_bit = layer.low_bit
-    codes = moved if low_bit is None else low_bit.cat_runs(moved)
+    moved = _encoded(encode, partition, fp.view(fp.data.keys)[:, :, :width], fp.view(fp.data.values)[:, :, :width],
+                     real, fp.view(fp.positions)[..., :width], real,
+                     {n: fp.view(s)[..., :width] for n, s in fp.state.items()})
+    codes = _joined(layer.codes, [m.to_flat(0) for m in moved], _cat_runs)
     keep = ok & ~move
     if _rows_differ_only(keep.sum(-1)):
         # the heads of each row keep the same count (a padded batch: rows differ only by their phase in the
         # group): the window as one rectangle with fillers, like left padding, read in place at every step
-        layer.segments = [codes, _right_aligned(fp, keep)]
+        layer.segments = [*codes, _right_aligned(fp, keep)]
     else:  # heads of a row keep different counts (a ragged eviction): flat runs, no fillers
         kept = fp.keep(*_rank_select(keep), 0)
-        layer.segments = [codes, kept, empty_tail(kept, layer.device)]
+        layer.segments = [*codes, kept, empty_tail(kept, layer.device)]
     layer.explicit_positions = True  # flat runs hold explicit positions, so the tail records its own from now on
     layer.derived = {}
     layer.mark_changed()
 
 
-def _flush_right_aligned_tail(layer, counts: torch.Tensor, n_move: torch.Tensor, encode) -> bool:
-    """_flush_flat's steady state, [flat codes, a tail whose real slots end every head (leading fillers)], as
+def _flush_right_aligned_tail(layer, counts: torch.Tensor, n_move: torch.Tensor, encode, partition) -> bool:
+    """_flush_flat's steady state, [flat codes (one segment per width), a tail whose real slots end every head (leading fillers)], as
     a previous flush left it: each head's oldest tokens are the tail's first real slots, so the moved tokens
     are gathered straight from the tail, and what stays is the tail's last slots (a copy, no gather). The same
     codes and the same tokens kept as the general path. False, changing nothing, for any other layout."""
-    if len(layer.segments) != 2 or not layer.segments[0].low_bit or not layer.segments[0].flat or layer.tail.flat:
+    codes = layer.segments[:-1]
+    if not codes or not all(s.low_bit and s.flat for s in codes) or layer.tail.flat:
         return False
     tail = layer.tail
     total = tail.num_slots
@@ -129,12 +165,11 @@ def _flush_right_aligned_tail(layer, counts: torch.Tensor, n_move: torch.Tensor,
     at = (lead[..., None] + rank).clamp(max=max(total - 1, 0))  # [B, H, width]: the oldest real slots
     real = rank < n_move[..., None]
     positions = tail.view_positions(0, *layer.batch_heads, layer.device)
-    codes = encode(take_slots(tail.data.keys, at), take_slots(tail.data.values, at), real)
-    moved = Segment(codes, positions.gather(-1, at), real,
-                    {n: s.gather(-1, at) for n, s in tail.state.items()}).to_flat(0)
+    moved = _encoded(encode, partition, take_slots(tail.data.keys, at), take_slots(tail.data.values, at), real,
+                     positions.gather(-1, at), real, {n: s.gather(-1, at) for n, s in tail.state.items()})
     stay = slice(total - keep_width, total)
     valid = slots[stay] >= (lead + n_move)[..., None]
-    layer.segments = [layer.segments[0].cat_runs(moved), Segment(
+    layer.segments = [*_joined(codes, [m.to_flat(0) for m in moved], _cat_runs), Segment(
         FullPrecision(tail.data.keys[:, :, stay].clone(), tail.data.values[:, :, stay].clone()),
         torch.where(valid, positions[..., stay], 0),
         None if bool(valid.all()) else valid, {n: s[..., stay].clone() for n, s in tail.state.items()})]

@@ -27,17 +27,17 @@ class KVPressLayer(CacheLayerMixin):
     after `replace_newest`, a decode-time eviction in place: then `sorted` is False until a keep() sorts again;
     what depends on order (crop, low-bit flushes) sorts first, and policies rank slots by position):
 
-      [low-bit codes]?  [flat full precision]?  tail
+      [low-bit codes]*  [flat full precision]?  tail
     tail      rectangular full precision [B, Hkv, T, D]: where new tokens are appended (in place, with spare room,
               for one-token appends), and the only part `crop` rolls back; behind flat codes, the window a flat
               flush left, its heads' tokens ending together behind leading invalid fillers
-    flat      the kept tokens of a layer whose heads keep different numbers of tokens: no padding, so freed bytes
-              equal removed tokens
-    low-bit   KIVI/GEAR codes of the oldest slots: rectangular, or flat (per-head runs) in a flat layer
-    The layout rule lives in one place (eviction.compact): a keep() that leaves the heads of a row with different counts
-    makes the layer flat unless it holds rectangular low-bit codes (then heads get invalid filler slots); a flat
-    layer stays flat and flushes to flat low-bit codes; rows that differ only from each other (left padding,
-    eval configs stacked as rows) stay rectangular with fillers, like the padding of the prompt itself.
+    flat      the kept tokens of heads that keep different counts: no padding, so freed bytes equal removed tokens
+    low-bit   codes of the oldest slots: rectangular, or flat (per-head runs) in a flat layer; one segment (KIVI,
+              GEAR) or one per bit width (ZipCache: slot order is position order within a segment, not across)
+    The layout rule lives in one place (eviction.compact): a keep() that leaves the heads of a row with different
+    counts makes the layer flat unless it holds rectangular codes (then heads get invalid fillers); a flat layer
+    stays flat and flushes to flat codes; rows that differ only from each other (left padding, eval configs stacked
+    as rows) stay rectangular with fillers, like the padding of the prompt itself.
 
     Policies see one padded view over all segments (key_positions, key_valid, get_state, keys_view), the flat
     part padded to its longest head with invalid slots; slot j of that view is what keep() takes.
@@ -247,9 +247,9 @@ class KVPressLayer(CacheLayerMixin):
         return self.segments[-1]
 
     @property
-    def low_bit(self) -> Segment | None:
-        """The segment of low-bit codes, if any (always the first)."""
-        return self.segments[0] if self.segments and self.segments[0].low_bit else None
+    def codes(self) -> list[Segment]:
+        """The segments of low-bit codes, which lead the layer: none, one, or one per bit width (flush.py)."""
+        return [s for s in self.segments if s.low_bit]
 
     @property
     def is_flat(self) -> bool:
@@ -263,7 +263,7 @@ class KVPressLayer(CacheLayerMixin):
 
     @property
     def quantized_len(self) -> int:
-        return 0 if self.low_bit is None else self.low_bit.width
+        return sum(s.width for s in self.codes)
 
     @property
     def num_kv_heads(self) -> int:
@@ -363,10 +363,10 @@ class KVPressLayer(CacheLayerMixin):
         eviction.to_rectangular(self)
 
     # ------------------------------------------------------------------ low-bit flush (flush.py)
-    def flush_low_bit(self, residual: int, group: int, encode) -> None:
+    def flush_low_bit(self, residual: int, group: int, encode, partition=None) -> None:
         """Move the oldest full-precision slots into low-bit codes via `encode(keys, values, valid)`, keeping at
-        least `residual` newest slots in full precision."""
-        flush.flush_low_bit(self, residual, group, encode)
+        least `residual` newest slots in full precision (with `partition`: one encoder per bit width, flush.py)."""
+        flush.flush_low_bit(self, residual, group, encode, partition)
 
     # ------------------------------------------------------------------ reading (read.py)
     def attention(self, queries: Queries, precision: int | None = None, use_triton: bool | None = None,

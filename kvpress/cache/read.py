@@ -115,7 +115,8 @@ def attention(layer, queries: Queries, precision: int | None = None, use_triton:
     # a rectangular full-precision tail (the newest tokens) is read in the same call as the segment before it
     # when that kind's reader takes one (flat full-precision runs, rectangular codes)
     before = layer.segments[-2] if len(layer.segments) > 1 else None
-    joins_tail = before is not None and READERS[before.kind].reads_tail
+    # (an empty segment, as a mixed-width codec's unused width, is skipped below: it cannot carry the tail)
+    joins_tail = before is not None and before.width > 0 and READERS[before.kind].reads_tail
     with_tail = joins_tail and tail.kind == DENSE and tail.width > 0
     rect = (tail.data.keys, tail.data.values, tail.view_positions(layer.tail_start(), batch, heads, layer.device),
             tail.valid) if with_tail else None
@@ -173,7 +174,7 @@ def _attend_with_probs(layer, queries: Queries, keys: torch.Tensor):
 
 def _attend(layer, read: Read, base) -> torch.Tensor:
     queries = read.queries
-    if read.select is not None and layer.low_bit is None:
+    if read.select is not None and not layer.codes:
         layer.to_rectangular()  # read views pick slots of a rectangle
         keys = layer.keys_view() if read.keys is None else read.keys
         out = sparse_attention(queries, keys, layer.values_view(), layer.key_positions(), read.select())
@@ -215,10 +216,11 @@ def key_logits(layer, query: torch.Tensor, scaling: float, softcap: float | None
     q = query.reshape(batch, hkv, hq // hkv, rows, dim).float() * scaling
     parts, offset = [], 0
     for i, segment in enumerate(layer.segments):
-        n = min(segment.width, upto - offset)
-        if n <= 0:
+        if offset >= upto:
             break
-        parts += READERS[segment.kind].key_logits(layer, i, segment, q, n, block, fp32_keys)
+        n = min(segment.width, upto - offset)
+        if n:  # (a mixed-width codec's unused width is an empty segment, with segments after it)
+            parts += READERS[segment.kind].key_logits(layer, i, segment, q, n, block, fp32_keys)
         offset += segment.width
     logits = parts[0] if len(parts) == 1 else torch.cat(parts, -1)
     if softcap is not None:

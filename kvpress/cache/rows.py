@@ -19,7 +19,7 @@ def stack_rows(layers: list[KVPressLayer]) -> KVPressLayer:
         return layers[0].fork()
     if len({l.seen for l in layers}) != 1:
         raise ValueError(f"stack: rows of one batch must have seen the same tokens; got {[l.seen for l in layers]}")
-    if any(l.low_bit is not None for l in layers):
+    if any(l.codes for l in layers):
         raise ValueError("stack: layers holding low-bit codes cannot be stacked as rows; decode them alone")
     first = layers[0]
     out = KVPressLayer()

@@ -204,8 +204,8 @@ class LowBitCodes:
         renumber = used.long().cumsum(0) - 1
         out = dict(
             k_group=renumber[kept_groups].to(torch.int32)[None, None],
-            k_scale=self.k_scale.reshape(bh * self.k_scale.shape[2], -1)[used][None, None],
-            k_min=self.k_min.reshape(bh * self.k_min.shape[2], -1)[used][None, None],
+            k_scale=self.k_scale.reshape(bh * self.k_scale.shape[2], self.k_scale.shape[3])[used][None, None],
+            k_min=self.k_min.reshape(bh * self.k_min.shape[2], self.k_min.shape[3])[used][None, None],
         )
         for name in self._PER_SLOT:
             t = getattr(self, name)

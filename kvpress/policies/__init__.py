@@ -18,6 +18,7 @@ from .kvzap import KVzap
 from .duo_attention import DuoAttention
 from .kivi import KIVI
 from .gear import GEAR
+from .zipcache import ZipCache
 from .compose import Composed
 from .sparse import Quant4View, Quest, ReadPolicy, Retrieval, SinkWindow, TopK
 from .token_select import TokenSelect
@@ -32,5 +33,5 @@ __all__ = [
     "Codec", "ReadView", "DecodeEviction",
     "register", "list_policies", "get_policy_class", "resolve_policy",
     "NoCompression", "Knorm", "RandomPolicy", "TOVA", "SnapKV", "H2O", "Keyformer", "StreamingLLM", "KVzip", "ExpectedAttention", "KeyDiff", "KVzap", "DuoAttention",
-    "KIVI", "GEAR", "Composed", "ReadPolicy", "Quest", "Retrieval", "TopK", "SinkWindow", "TokenSelect", "RecycledAttention", "HiP", "TidalDecode", "LServe", "DoubleSparsity", "Quant4View",
+    "KIVI", "GEAR", "ZipCache", "Composed", "ReadPolicy", "Quest", "Retrieval", "TopK", "SinkWindow", "TokenSelect", "RecycledAttention", "HiP", "TidalDecode", "LServe", "DoubleSparsity", "Quant4View",
 ]

@@ -1,0 +1,202 @@
+"""ZipCache (He et al. 2024, arXiv 2405.14256; ThisisBillhe/ZipCache): salient tokens at more bits, the rest at fewer.
+
+Saliency is attention normalised by how many queries could see the token (a plain attention sum favours early
+tokens, which every later query sees). At the prompt it is estimated from probe queries, the last `recent_ratio` of
+the prompt plus `random_ratio` of it drawn at random from the earlier positions (with replacement), so the full
+attention matrix is never built:
+
+    s_j = sum over probes p, and the query heads of the KV group, of softmax(q_p K^T / sqrt(d))_j
+    saliency_j = s_j / n_j,   n_j = the number of probes at positions >= j (those that can see token j)
+
+Each flushed block is split per KV head: the `low_ratio` least salient tokens go to a `low_bits` code segment, the
+others to a `high_bits` one (cache/flush.py: one segment per width). Decode-time blocks are scored by the
+attention of the query that triggers the flush (unnormalised, as the reference scores its streaming blocks).
+
+Differences from the reference, named:
+- Storage is KIVI's layout per width (kvpress/formats/lowbit.py): keys per channel over groups of `group_size`
+  slots of the same width, values per token over `group_size` channels of one head. The reference takes key
+  ranges over every token of a width at once, and value ranges over all KV heads' channels after dividing each
+  channel by c_i = sqrt(max_t |V[t, i]|) (its "channel-separable" value quantizer). That normalisation is not
+  implemented: the kernels read one (scale, min) per token group and have no per-channel factor to apply.
+- Each width's share of a block is rounded to whole groups of `group_size` slots per head, so codes stay in
+  whole key groups (a block of one group goes to one width: the lower one only if low_ratio >= 0.5).
+- Decode: tokens are flushed a group at a time once `residual_length + group_size` are in full precision (the
+  reference re-quantizes the whole cache every 100 steps; here only the new block is quantized, never twice).
+- The probes of a left-padded row are drawn from its own tokens (the same draws as alone).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from ..cache.codecs import encode_kivi
+from ..cache.rollback import appends_before_flush
+from ..kernels.scores import masked_softmax_
+from .context import Context
+from .roles import Codec
+from .registry import register
+
+
+@register
+@dataclass
+class ZipCache(Codec):
+    """Mixed-precision storage: per KV head, the `low_ratio` least salient tokens of each flushed block at
+    `low_bits`, the rest at `high_bits`. Composes after an eviction policy that decides per layer
+    ("kvzap+zipcache")."""
+
+    name = "zipcache"
+    allowed_bits: ClassVar[tuple] = (2, 4, 8)
+    high_bits: int = 4
+    low_bits: int = 2
+    low_ratio: float = 0.4
+    group_size: int = 64
+    residual_length: int = 0
+    recent_ratio: float = 0.05
+    random_ratio: float = 0.05
+    seed: int = 0
+
+    def validate(self) -> None:
+        for field in ("high_bits", "low_bits"):
+            if getattr(self, field) not in self.allowed_bits:
+                raise ValueError(f"{self.name}: {field}={getattr(self, field)!r}; allowed values: "
+                                 f"{list(self.allowed_bits)}")
+        if self.low_bits > self.high_bits:
+            raise ValueError(f"{self.name}: low_bits={self.low_bits} > high_bits={self.high_bits}; allowed values: "
+                             f"low_bits <= high_bits")
+        for field in ("low_ratio", "recent_ratio", "random_ratio"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+                raise ValueError(f"{self.name}: {field}={value!r}; allowed values: a number in [0, 1]")
+        if self.recent_ratio <= 0:
+            raise ValueError(f"{self.name}: recent_ratio={self.recent_ratio!r}; allowed values: a number in (0, 1] "
+                             f"(the last query is always a probe)")
+        for field in ("group_size", "residual_length", "seed"):
+            value = getattr(self, field)
+            low = 1 if field == "group_size" else 0
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{self.name}: {field}={value!r}; allowed values: an int >= {low}")
+
+    def for_model(self, model):
+        head_dim = model.head_dim
+        if head_dim % self.group_size or (head_dim * self.low_bits) % 8:
+            divisors = [g for g in (8, 16, 32, 64, 128) if head_dim % g == 0]
+            raise ValueError(f"{self.name}: group_size={self.group_size} does not divide the model's "
+                             f"head_dim={head_dim} (values are quantized in groups of channels); allowed values: "
+                             f"{divisors}")
+        return self
+
+    def check_evictor(self, evictor) -> None:
+        if evictor.needs().model_pass:
+            raise ValueError(f"{self.name}: saliency comes from the prompt's queries at each layer; {evictor.name} "
+                             f"decides after the whole prompt (a model pass), when they are gone; allowed: an "
+                             f"evictor that decides layer by layer (snapkv, kvzap, h2o, ...)")
+
+    def appends_before_change(self, layer) -> int:
+        return appends_before_flush(layer, self.residual_length, self.group_size)
+
+    # -- hooks
+    def on_prefill(self, ctx: Context) -> None:
+        self._flush(ctx.layer, self.probe_saliency(ctx))
+
+    def on_decode(self, ctx: Context) -> None:
+        if self.appends_before_change(ctx.layer) < 0:  # this step's flush moves a block: score it first
+            self._flush(ctx.layer, self.query_saliency(ctx))
+
+    def on_extend(self, ctx: Context) -> None:
+        if self.appends_before_change(ctx.layer) < 0:
+            self._flush(ctx.layer, self.query_saliency(ctx))
+
+    def store(self, layer) -> None:
+        raise RuntimeError(f"{self.name}: stores only from a hook that sees the queries (check_evictor refuses "
+                           f"model-pass evictors)")
+
+    # -- saliency over the layer's padded view [B, Hkv, T]
+    def probes(self, ctx: Context) -> tuple[torch.Tensor, torch.Tensor]:
+        """(query rows [B, P], weight [B, P]) of each row's probes: its last ceil(recent_ratio * n) tokens and
+        ceil(random_ratio * n) draws (with replacement) from its earlier ones, n its real tokens in this forward;
+        weight counts a draw (0: a filler entry of a row with fewer probes)."""
+        q_len = ctx.q_len
+        padding = ctx.layer.padding
+        positions = ctx.query_positions().to(ctx.query.device)  # [q_len] raw
+        pad = torch.zeros(ctx.query.shape[0], dtype=torch.long, device=positions.device) if padding is None \
+            else padding.to(positions.device).long()
+        n = (positions[None] >= pad[:, None]).sum(-1)  # [B] real query rows
+        recent = torch.ceil(n * self.recent_ratio).long().clamp(max=n)
+        drawn = torch.where(n > recent, torch.ceil(n * self.random_ratio).long(), 0)
+        width = int((recent + drawn).max())
+        # one stream of draws per layer: a row's first draws are the same whatever the batch's widest row needs
+        gen = torch.Generator().manual_seed(self.seed + 1_000_003 * ctx.layer_idx)
+        uniform = torch.rand(width, generator=gen, dtype=torch.float64).to(positions.device)
+        slot = torch.arange(width, device=positions.device)[None]
+        first = q_len - n[:, None]  # [B, 1] the row's first real query row
+        drawn_rows = first + torch.floor(uniform[None] * (n - recent)[:, None]).long()  # before the recent ones
+        rows = torch.where(slot < recent[:, None], q_len - recent[:, None] + slot, drawn_rows)
+        weight = (slot < (recent + drawn)[:, None]).float()
+        return rows.clamp(0, q_len - 1), weight
+
+    def probe_saliency(self, ctx: Context) -> torch.Tensor:
+        layer = ctx.layer
+        rows, weight = self.probes(ctx)
+        batch, hq, _, dim = ctx.query.shape
+        query = ctx.query.gather(2, rows[:, None, :, None].expand(batch, hq, rows.shape[1], dim))
+        query_pos = ctx.query_positions().to(rows.device)[rows]  # [B, P] raw positions
+        key_pos = layer.key_positions().to(rows.device)
+        seen = key_pos[:, :, None, :] <= query_pos[:, None, :, None]  # [B, Hkv, P, T]
+        allowed = seen
+        if ctx.sliding_window is not None:
+            allowed = allowed & (key_pos[:, :, None, :] > query_pos[:, None, :, None] - ctx.sliding_window)
+        valid = layer.key_valid_or_none()
+        if valid is not None:
+            allowed = allowed & valid[:, :, None, :]
+        allowed = allowed | (key_pos[:, :, None, :] == query_pos[:, None, :, None])
+        probs = masked_softmax_(ctx.key_logits(query), allowed)  # [B, Hkv, g, P, T]
+        mass = (probs * weight[:, None, None, :, None]).sum((2, 3))  # summed over the group's heads and probes
+        viewers = (seen.float() * weight[:, None, :, None]).sum(2)  # probes that can see each slot
+        return mass / viewers.clamp(min=1)
+
+    def query_saliency(self, ctx: Context) -> torch.Tensor:
+        """Attention of this step's query rows, summed over them and the group's heads (unnormalised)."""
+        return ctx.to_kv_heads(ctx.attention_probs().sum(2), reduce="sum")
+
+    # -- the flush
+    def _flush(self, layer, saliency: torch.Tensor) -> None:
+        """Flush with each moved slot's saliency looked up by its position (the flush sees positions, not view
+        slots; a position is held at most once per head)."""
+        batch, heads, _ = saliency.shape
+        positions = layer.key_positions().long()
+        valid = layer.key_valid()
+        by_position = saliency.new_zeros(batch, heads, layer.seen + 1)
+        by_position.scatter_(-1, torch.where(valid, positions, layer.seen), saliency.float())
+
+        def partition(keys, values, real, moved_positions):
+            return self.shares(by_position.gather(-1, moved_positions.long()), real)
+
+        encoders = [lambda k, v, ok, b=bits: encode_kivi(k, v, ok, b, self.group_size)
+                    for bits in (self.high_bits, self.low_bits)]
+        layer.flush_low_bit(self.residual_length, self.group_size, encoders, partition)
+
+    def shares(self, saliency: torch.Tensor, real: torch.Tensor):
+        """[(take, real) of the high-bit share, (take, real) of the low-bit share] of a block [B, Hkv, n]: per
+        head the round(low_ratio * count / group_size) * group_size least salient real slots go low."""
+        g = self.group_size
+        count = real.sum(-1)
+        n_low = torch.floor(self.low_ratio * count / g + 0.5).long() * g
+        order = saliency.masked_fill(~real, math.inf).argsort(dim=-1, stable=True)  # least salient first
+        rank = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1], device=order.device)
+                                                .expand_as(order))
+        low = real & (rank < n_low[..., None])
+        return [_in_slot_order(real & ~low), _in_slot_order(low)]
+
+
+def _in_slot_order(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(indices [B, H, W], real [B, H, W]) of the True slots of mask [B, H, n], in slot order, padded to the
+    widest head with filler entries (pointing at slot 0)."""
+    count = mask.sum(-1)
+    width = int(count.max()) if count.numel() else 0
+    order = (~mask).long().argsort(dim=-1, stable=True)[..., :width]
+    real = torch.arange(width, device=mask.device) < count[..., None]
+    return torch.where(real, order, 0), real
