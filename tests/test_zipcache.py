@@ -14,6 +14,7 @@ from kvpress.cache.codecs import encode_kivi
 from kvpress.policies import Context, ZipCache
 
 from conftest import greedy, tiny_model
+from test_query_agnostic import TOK
 
 B, HQ, HKV, L, D = 2, 4, 2, 96, 16
 G = HQ // HKV
@@ -23,6 +24,7 @@ def _prefill(policy, q, k, v):
     layer = KVPressLayer()
     layer.update(k, v)
     ctx = Context(layer_idx=0, layer=layer, phase="prefill", query=q, scaling=D ** -0.5)
+    policy.observe(ctx)
     policy.on_prefill(ctx)
     return layer, ctx
 
@@ -153,20 +155,24 @@ def test_low_ratio_zero_and_one_are_kivi_at_one_width():
         assert torch.equal(outs[0][0], outs[1][0]) and outs[0][1] == outs[1][1]
 
 
-def test_composes_after_a_layer_by_layer_evictor_and_refuses_a_model_pass_one():
+@pytest.mark.parametrize("policy, kw", [("snapkv+zipcache", dict(window_size=8)),
+                                        ("kvzip+zipcache", dict(chunk_size=16))])  # kvzip: after the whole prompt
+def test_composes_after_an_evictor(policy, kw):
+    """The prompt's saliency is measured before the eviction; the kept slots are split by it."""
     model = tiny_model("llama")
     ids = torch.randint(0, 128, (1, 90), generator=torch.Generator().manual_seed(1))
-    patch = kvpress.patch_model(model, policy="snapkv+zipcache", compression_ratio=0.5, window_size=8,
-                                group_size=16)
+    if policy.startswith("kvzip"):
+        kw["tokenizer"] = TOK
+    patch = kvpress.patch_model(model, policy=policy, compression_ratio=0.5, group_size=16, **kw)
     try:
         cache = kvpress.KVPressCache()
         greedy(model, ids, 8, past_key_values=cache)
         for layer in cache.layers:
-            assert len(layer.codes) == 2 and sum(c.num_slots for c in layer.codes) <= 48
+            counts = [int(c.counts().sum()) for c in layer.codes]
+            assert len(counts) == 2 and counts[1] > 0 and sum(counts) <= (45 + 8) * layer.num_kv_heads  # kept + generated
+            assert "zipcache saliency" not in layer.policy_stats  # dropped after the prompt's flush
     finally:
         patch.unpatch()
-    with pytest.raises(ValueError, match="zipcache: saliency comes from the prompt's queries"):
-        kvpress.patch_model(model, policy="kvzip+zipcache", compression_ratio=0.5)
 
 
 @pytest.mark.parametrize("kw, match", [

@@ -26,7 +26,6 @@ class Composed(Policy):
             raise ValueError(f"{self.evictor.name}: sparse reads over low-bit storage are not supported; "
                              f"allowed: {self.evictor.name} alone, or an eviction policy + {self.codec.name}")
         self.evictor.check_codec(self.codec)
-        self.codec.check_evictor(self.evictor)
 
     def needs(self) -> Needs:
         return self.evictor.needs() | self.codec.needs()

@@ -32,10 +32,6 @@ class Codec(Policy):
         composition calls on the layers its evictor has cut)."""
         raise NotImplementedError
 
-    def check_evictor(self, evictor: Policy) -> None:
-        """Raise ValueError if this codec cannot store what `evictor` keeps (the codec's side of
-        Policy.check_codec)."""
-
     @property
     def decode_change(self) -> str:
         return "moves old tokens into low-bit codes while decoding"

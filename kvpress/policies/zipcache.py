@@ -40,13 +40,15 @@ from .context import Context
 from .roles import Codec
 from .registry import register
 
+_SALIENCY = "zipcache saliency"  # layer.policy_stats: the prompt's saliency by position, from observe to the flush
+
 
 @register
 @dataclass
 class ZipCache(Codec):
     """Mixed-precision storage: per KV head, the `low_ratio` least salient tokens of each flushed block at
-    `low_bits`, the rest at `high_bits`. Composes after an eviction policy that decides per layer
-    ("kvzap+zipcache")."""
+    `low_bits`, the rest at `high_bits`. Composes after an eviction policy ("kvzap+zipcache"); the prompt's
+    saliency is measured before the eviction, over the whole prompt."""
 
     name = "zipcache"
     allowed_bits: ClassVar[tuple] = (2, 4, 8)
@@ -89,30 +91,31 @@ class ZipCache(Codec):
                              f"{divisors}")
         return self
 
-    def check_evictor(self, evictor) -> None:
-        if evictor.needs().model_pass:
-            raise ValueError(f"{self.name}: saliency comes from the prompt's queries at each layer; {evictor.name} "
-                             f"decides after the whole prompt (a model pass), when they are gone; allowed: an "
-                             f"evictor that decides layer by layer (snapkv, kvzap, h2o, ...)")
-
     def appends_before_change(self, layer) -> int:
         return appends_before_flush(layer, self.residual_length, self.group_size)
 
     # -- hooks
+    def observe(self, ctx: Context) -> None:
+        # the prompt's saliency is measured before any eviction (an evictor composed with this codec may decide
+        # only after the whole prompt, when the queries are gone) and kept by position until the flush
+        if ctx.phase == "prefill":
+            ctx.layer.policy_stats[_SALIENCY] = _by_position(ctx.layer, self.probe_saliency(ctx))
+
     def on_prefill(self, ctx: Context) -> None:
-        self._flush(ctx.layer, self.probe_saliency(ctx))
+        self.store(ctx.layer)
+
+    def store(self, layer) -> None:
+        """Flush what the residual window no longer covers, split by the prompt's saliency (dropped after it)."""
+        if _SALIENCY not in layer.policy_stats:
+            raise RuntimeError(f"{self.name}: store() before the prompt's saliency was observed")
+        self._flush(layer, layer.policy_stats.pop(_SALIENCY))
 
     def on_decode(self, ctx: Context) -> None:
         if self.appends_before_change(ctx.layer) < 0:  # this step's flush moves a block: score it first
-            self._flush(ctx.layer, self.query_saliency(ctx))
+            self._flush(ctx.layer, _by_position(ctx.layer, self.query_saliency(ctx)))
 
     def on_extend(self, ctx: Context) -> None:
-        if self.appends_before_change(ctx.layer) < 0:
-            self._flush(ctx.layer, self.query_saliency(ctx))
-
-    def store(self, layer) -> None:
-        raise RuntimeError(f"{self.name}: stores only from a hook that sees the queries (check_evictor refuses "
-                           f"model-pass evictors)")
+        self.on_decode(ctx)
 
     # -- saliency over the layer's padded view [B, Hkv, T]
     def probes(self, ctx: Context) -> tuple[torch.Tensor, torch.Tensor]:
@@ -163,15 +166,7 @@ class ZipCache(Codec):
         return ctx.to_kv_heads(ctx.attention_probs().sum(2), reduce="sum")
 
     # -- the flush
-    def _flush(self, layer, saliency: torch.Tensor) -> None:
-        """Flush with each moved slot's saliency looked up by its position (the flush sees positions, not view
-        slots; a position is held at most once per head)."""
-        batch, heads, _ = saliency.shape
-        positions = layer.key_positions().long()
-        valid = layer.key_valid()
-        by_position = saliency.new_zeros(batch, heads, layer.seen + 1)
-        by_position.scatter_(-1, torch.where(valid, positions, layer.seen), saliency.float())
-
+    def _flush(self, layer, by_position: torch.Tensor) -> None:
         def partition(keys, values, real, moved_positions):
             return self.shares(by_position.gather(-1, moved_positions.long()), real)
 
@@ -190,6 +185,15 @@ class ZipCache(Codec):
                                                 .expand_as(order))
         low = real & (rank < n_low[..., None])
         return [_in_slot_order(real & ~low), _in_slot_order(low)]
+
+
+def _by_position(layer, saliency: torch.Tensor) -> torch.Tensor:
+    """Saliency over the padded view [B, Hkv, T] as [B, Hkv, seen + 1] indexed by position (the flush sees each
+    moved slot's position, not its view slot; a head holds a position at most once; fillers land in the last
+    column)."""
+    batch, heads, _ = saliency.shape
+    out = saliency.new_zeros(batch, heads, layer.seen + 1)
+    return out.scatter_(-1, torch.where(layer.key_valid(), layer.key_positions().long(), layer.seen), saliency)
 
 
 def _in_slot_order(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
