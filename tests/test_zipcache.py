@@ -169,7 +169,8 @@ def test_composes_after_an_evictor(policy, kw):
         greedy(model, ids, 8, past_key_values=cache)
         for layer in cache.layers:
             counts = [int(c.counts().sum()) for c in layer.codes]
-            assert len(counts) == 2 and counts[1] > 0 and sum(counts) <= (45 + 8) * layer.num_kv_heads  # kept + generated
+            # kept + generated
+            assert len(counts) == 2 and counts[1] > 0 and sum(counts) <= (45 + 8) * layer.num_kv_heads
             assert "zipcache saliency" not in layer.policy_stats  # dropped after the prompt's flush
     finally:
         patch.unpatch()

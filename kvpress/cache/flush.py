@@ -141,10 +141,11 @@ def _flush_flat(layer, residual: int, group: int, encode, partition) -> None:
 
 
 def _flush_right_aligned_tail(layer, counts: torch.Tensor, n_move: torch.Tensor, encode, partition) -> bool:
-    """_flush_flat's steady state, [flat codes (one segment per width), a tail whose real slots end every head (leading fillers)], as
-    a previous flush left it: each head's oldest tokens are the tail's first real slots, so the moved tokens
-    are gathered straight from the tail, and what stays is the tail's last slots (a copy, no gather). The same
-    codes and the same tokens kept as the general path. False, changing nothing, for any other layout."""
+    """_flush_flat's steady state, [flat codes (a segment per width), a tail whose real slots end every head
+    (leading fillers)], as a previous flush left it: each head's oldest tokens are the tail's first real slots,
+    so the moved tokens are gathered straight from the tail, and what stays is the tail's last slots (a copy, no
+    gather). The same codes and the same tokens kept as the general path. False, changing nothing, for any other
+    layout."""
     codes = layer.segments[:-1]
     if not codes or not all(s.low_bit and s.flat for s in codes) or layer.tail.flat:
         return False
