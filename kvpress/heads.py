@@ -58,6 +58,12 @@ class HeadShards:
         COLLECTIVES["all_gather"] += 1
         return torch.cat(parts, dim)
 
+    @classmethod
+    def block_of(cls, x: torch.Tensor, local_heads: int) -> torch.Tensor:
+        """This process's block of per-head values x [H] over the model's H heads, for a layer holding
+        `local_heads` of them (a calibration's per-head flags, under tensor parallelism)."""
+        return cls.of(local_heads, x.shape[0]).local(x, 0)
+
     def local(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """This rank's block of a tensor over every head."""
         if self.count == 1:

@@ -61,8 +61,7 @@ class DuoAttention(DecodeEviction):
 
     def _cut_streaming_heads(self, ctx: Context, slack: int) -> None:
         layer = ctx.layer
-        streaming = self.heads[ctx.layer_idx]
-        streaming = HeadShards.of(layer.num_kv_heads, streaming.shape[0]).local(streaming, 0).to(ctx.query.device)
+        streaming = HeadShards.block_of(self.heads[ctx.layer_idx], layer.num_kv_heads).to(ctx.query.device)
         if not bool(streaming.any()):
             return
         valid = layer.key_valid()

@@ -9,7 +9,7 @@ from ..formats.calibration import Calibration
 from ..heads import HeadShards
 from .context import Context
 from .protocol import ModelInfo
-from .sparse import ReadPolicy, page_stats, slots_of
+from .sparse import ReadPolicy, page_stats, sinks_and_window, slots_of
 from .registry import register
 
 
@@ -70,19 +70,16 @@ class LServe(ReadPolicy):
     def select(self, ctx: Context):
         layer = ctx.layer
         real = layer.key_valid()
-        rank = real.cumsum(-1) - 1  # each slot's index among its head's real slots (fillers lead)
-        n_real = real.sum(-1, keepdim=True)
         streaming = self._streaming(ctx)  # [Hkv]
-        window = (rank < self.n_sink) | (rank >= n_real - max(self.local, ctx.q_len))
-        chosen = torch.where(streaming[None, :, None], window, self._pages(ctx, n_real[..., 0]))
+        window = sinks_and_window(real, self.n_sink, max(self.local, ctx.q_len))
+        chosen = torch.where(streaming[None, :, None], window, self._pages(ctx, real.sum(-1)))
         return slots_of(chosen & real)
 
     def _streaming(self, ctx: Context) -> torch.Tensor:
         hkv = ctx.layer.num_kv_heads
         if self.heads is None:
             return torch.zeros(hkv, dtype=torch.bool, device=ctx.query.device)
-        heads = self.heads[ctx.layer_idx]
-        return HeadShards.of(hkv, heads.shape[0]).local(heads, 0).to(ctx.query.device)
+        return HeadShards.block_of(self.heads[ctx.layer_idx], hkv).to(ctx.query.device)
 
     def _pages(self, ctx: Context, n_real: torch.Tensor) -> torch.Tensor:
         """[B, Hkv, T] the slots of the retrieval heads' pages (all of them where a row fits the budget)."""

@@ -161,6 +161,14 @@ def slots_of(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return out.scatter_(-1, at, slots)[..., :width], torch.arange(width, device=mask.device) < count[..., None]
 
 
+def sinks_and_window(real: torch.Tensor, n_sink: int, window: int) -> torch.Tensor:
+    """[B, Hkv, T] bool: each head's first `n_sink` and last `window` real slots (real: the layer's key_valid;
+    fillers lead a head or sit anywhere, they are never chosen). What a view that decides slot by slot always
+    reads."""
+    rank = real.cumsum(-1) - 1  # each slot's index among its head's real slots
+    return real & ((rank < n_sink) | (rank >= real.sum(-1, keepdim=True) - window))
+
+
 def _from_page(score: torch.Tensor, first) -> torch.Tensor:
     """score [B, Hkv, n_pages] with every page from `first` (an int, or [B, Hkv]) on set to +inf (always read)."""
     if isinstance(first, int):

@@ -5,7 +5,7 @@ import torch.nn.functional as F
 
 from .context import Context
 from .protocol import Needs
-from .sparse import ReadPolicy, slots_of
+from .sparse import ReadPolicy, sinks_and_window, slots_of
 from .registry import register
 
 
@@ -77,9 +77,7 @@ class TokenSelect(ReadPolicy):
     def select(self, ctx: Context):
         layer = ctx.layer
         real = layer.key_valid()  # [B, Hkv, T]
-        rank = real.cumsum(-1) - 1  # each slot's index among its head's real slots (fillers lead)
-        n_real = real.sum(-1, keepdim=True)
-        fixed = real & ((rank < self.init) | (rank >= n_real - max(self.local, ctx.q_len)))
+        fixed = sinks_and_window(real, self.init, max(self.local, ctx.q_len))
         candidates = real & ~fixed
         fingerprint = ctx.query.float().mean(2)  # [B, Hq, D]
         cache = layer.derived.get(self._key)
@@ -94,7 +92,7 @@ class TokenSelect(ReadPolicy):
             layer.derived[self._key] = _SelectionCache(fingerprint, top)
         chosen = fixed.clone()
         chosen.scatter_(-1, top[:, None].expand(-1, real.shape[1], -1), True)
-        chosen = (chosen & real) | (n_real <= self.budget) & real  # a short row reads everything
+        chosen = (chosen & real) | (real.sum(-1, keepdim=True) <= self.budget) & real  # a short row reads all
         return slots_of(chosen)
 
     def _vote(self, ctx: Context, fingerprint: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
