@@ -1,7 +1,9 @@
 """Decode speed of the read views against the full cache, on one prefill: the prompt is prefilled once (policy none),
 then each view decodes `--new-tokens` greedy tokens on its own fork of that cache, and the full cache does the same
 unpatched-policy run ("none"). Prints per config: ms per decode step (median of the steps after the first two),
-tokens per second, the ratio to the full cache, and the fraction of the stored slots attention read per step.
+tokens per second, the ratio to the full cache, the fraction of the stored slots attention read per step
+(averaged over layers, KV heads and steps; what a selector reads to decide is not in it), and the bytes each view
+holds besides the cache (its read-side state in layer.derived: page statistics, label caches, selections).
 
     python benchmarks/read_view_speed.py --lengths 8192,16384 --budget-fraction 0.1 --new-tokens 32 \
         --views quest,retrieval,token_select,recycled_attention,hip,tidal_decode,lserve,double_sparsity
@@ -23,6 +25,15 @@ import torch
 import kvpress
 from kvpress import KVPressCache
 from kvpress.needle import needle_prompt
+
+
+def _state_bytes(cache) -> int:
+    """Bytes of every layer's read-side state (layer.derived: tensors held by its values)."""
+    total = 0
+    for _, layer in cache.kvpress_layers():
+        for value in layer.derived.values():
+            total += sum(t.numel() * t.element_size() for t in vars(value).values() if isinstance(t, torch.Tensor))
+    return total
 
 
 def decode(model, cache, first_token, steps: int, view: str | None, params: dict):
@@ -74,13 +85,15 @@ def main(argv=None):
         budget = int(args.budget_fraction * ids.shape[1])
         full = None
         for view in [None] + args.views.split(","):
-            times, read = decode(model, prompt.fork(), first, args.new_tokens, view, {} if view is None else
+            cache = prompt.fork()
+            times, read = decode(model, cache, first, args.new_tokens, view, {} if view is None else
                                  dict(budget=budget))
             ms = statistics.median(times[2:]) * 1000
             full = full or ms
             row = dict(length=ids.shape[1], view=view or "none (full cache)", budget=None if view is None else budget,
                        ms_per_step=round(ms, 1), tok_s=round(1000 / ms, 2), vs_full=round(full / ms, 2),
-                       read_fraction=round(read, 3), threads=args.threads, dtype=args.dtype)
+                       read_fraction=round(read, 3), state_bytes=_state_bytes(cache), cache_bytes=cache.nbytes(),
+                       threads=args.threads, dtype=args.dtype)
             print(json.dumps(row), flush=True)
 
 
