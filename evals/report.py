@@ -136,7 +136,7 @@ def _label(point: dict) -> str:
     return point["policy"] if point["ratio"] == 0 else f"{point['policy']} @ {point['ratio']:.2f}"
 
 
-def frontier_markdown(summary: list[dict]) -> str:
+def frontier_markdown(summary: list[dict], budgets=BYTE_BUDGETS) -> str:
     points = accuracy_per_byte(summary)
     parts = ["## Accuracy per byte\n",
              "Bytes: KVPressCache.nbytes() after prefill (keys/values or codes, scales, positions), in the dtype of "
@@ -150,7 +150,7 @@ def frontier_markdown(summary: list[dict]) -> str:
                      f"n = {full_n} per task; only configs measured on as many samples per task compete)\n")
         parts.append("| bytes <= | best config | bytes | score | % of full's score | n per task |")
         parts.append("|---|---|---|---|---|---|")
-        for budget in BYTE_BUDGETS:
+        for budget in budgets:
             best = best_within(cell, budget, full_n)
             if best is None:
                 smallest = min((p for p in cell if p.get("n", 0) >= full_n), key=lambda p: p["bytes"], default=None)
@@ -171,7 +171,7 @@ def frontier_markdown(summary: list[dict]) -> str:
     return "\n".join(parts)
 
 
-def plot_accuracy_per_byte(summary: list[dict], path, mode: str) -> None:
+def plot_accuracy_per_byte(summary: list[dict], path, mode: str, budgets=BYTE_BUDGETS) -> None:
     """Average score vs bytes held (fraction of the full cache), one point per config, the frontier drawn."""
     import matplotlib
     matplotlib.use("Agg")
@@ -195,7 +195,7 @@ def plot_accuracy_per_byte(summary: list[dict], path, mode: str) -> None:
         for p in front:
             label = p["policy"] if p["ratio"] == 0 else f"{p['policy']} {p['ratio']:.2f}"
             ax.annotate(label, (100 * p["bytes"], p["score"]), fontsize=6, xytext=(3, 3), textcoords="offset points")
-        for budget in BYTE_BUDGETS:
+        for budget in budgets:
             ax.axvline(100 * budget, color="grey", linestyle=":", linewidth=0.8)
         ax.set_xscale("log")
         ax.set_xticks([2, 5, 10, 25, 50, 100], ["2%", "5%", "10%", "25%", "50%", "100%"])
