@@ -38,6 +38,7 @@ from ..cache.rollback import appends_before_flush
 from ..kernels.scores import masked_softmax_
 from .context import Context
 from .roles import Codec
+from .sparse import slots_of
 from .registry import register
 
 _SALIENCY = "zipcache saliency"  # layer.policy_stats: the prompt's saliency by position, from observe to the flush
@@ -184,7 +185,7 @@ class ZipCache(Codec):
         rank = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1], device=order.device)
                                                 .expand_as(order))
         low = real & (rank < n_low[..., None])
-        return [_in_slot_order(real & ~low), _in_slot_order(low)]
+        return [slots_of(real & ~low), slots_of(low)]  # each share in slot order
 
 
 def _by_position(layer, saliency: torch.Tensor) -> torch.Tensor:
@@ -194,13 +195,3 @@ def _by_position(layer, saliency: torch.Tensor) -> torch.Tensor:
     batch, heads, _ = saliency.shape
     out = saliency.new_zeros(batch, heads, layer.seen + 1)
     return out.scatter_(-1, torch.where(layer.key_valid(), layer.key_positions().long(), layer.seen), saliency)
-
-
-def _in_slot_order(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(indices [B, H, W], real [B, H, W]) of the True slots of mask [B, H, n], in slot order, padded to the
-    widest head with filler entries (pointing at slot 0)."""
-    count = mask.sum(-1)
-    width = int(count.max()) if count.numel() else 0
-    order = (~mask).long().argsort(dim=-1, stable=True)[..., :width]
-    real = torch.arange(width, device=mask.device) < count[..., None]
-    return torch.where(real, order, 0), real
