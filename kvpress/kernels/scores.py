@@ -20,8 +20,9 @@ def allowed_mask(
     key_valid: torch.Tensor | None,
     sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """[B, Hkv, q, T] bool: may query row i (raw position query_positions[i]) read stored slot t."""
-    q = query_positions.view(1, 1, -1, 1)
+    """[B, Hkv, q, T] bool: may query row i (raw position query_positions[i]) read stored slot t. query_positions:
+    [q], one for every row of the batch, or [B, q], each row's own (rows that query at different positions)."""
+    q = query_positions.reshape(-1 if query_positions.dim() == 2 else 1, 1, query_positions.shape[-1], 1)
     k = key_positions[:, :, None, :]
     allowed = k <= q
     if sliding_window is not None:
@@ -48,7 +49,8 @@ def attention_probs(
     key_valid: torch.Tensor | None,
     sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """Softmax attention [B, Hq, r, T] (fp32) of `query` rows [B, Hq, r, D] over the stored slots.
+    """Softmax attention [B, Hq, r, T] (fp32) of `query` rows [B, Hq, r, D] (at query_positions, as allowed_mask
+    takes them) over the stored slots.
     `key_logits(query, upto)` returns fp32 logits [B, Hkv, g, r, upto] (scaled, soft-capped)."""
     batch, hq, rows, _ = query.shape
     logits = key_logits(query, key_positions.shape[-1])

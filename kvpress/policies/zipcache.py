@@ -35,7 +35,7 @@ import torch
 
 from ..cache.codecs import encode_kivi
 from ..cache.rollback import appends_before_flush
-from ..kernels.scores import masked_softmax_
+from ..kernels.scores import attention_probs
 from .context import Context
 from .roles import Codec
 from .sparse import slots_of
@@ -147,18 +147,12 @@ class ZipCache(Codec):
         rows, weight = self.probes(ctx)
         batch, hq, _, dim = ctx.query.shape
         query = ctx.query.gather(2, rows[:, None, :, None].expand(batch, hq, rows.shape[1], dim))
-        query_pos = ctx.query_positions().to(rows.device)[rows]  # [B, P] raw positions
+        query_pos = ctx.query_positions().to(rows.device)[rows]  # [B, P] raw positions, each row its own
         key_pos = layer.key_positions().to(rows.device)
+        probs = attention_probs(ctx.key_logits, query, query_pos, key_pos, layer.key_valid_or_none(),
+                                ctx.sliding_window)  # [B, Hq, P, T]
+        mass = ctx.to_kv_heads((probs * weight[:, None, :, None]).sum(2), reduce="sum")  # over probes, group heads
         seen = key_pos[:, :, None, :] <= query_pos[:, None, :, None]  # [B, Hkv, P, T]
-        allowed = seen
-        if ctx.sliding_window is not None:
-            allowed = allowed & (key_pos[:, :, None, :] > query_pos[:, None, :, None] - ctx.sliding_window)
-        valid = layer.key_valid_or_none()
-        if valid is not None:
-            allowed = allowed & valid[:, :, None, :]
-        allowed = allowed | (key_pos[:, :, None, :] == query_pos[:, None, :, None])
-        probs = masked_softmax_(ctx.key_logits(query), allowed)  # [B, Hkv, g, P, T]
-        mass = (probs * weight[:, None, None, :, None]).sum((2, 3))  # summed over the group's heads and probes
         viewers = (seen.float() * weight[:, None, :, None]).sum(2)  # probes that can see each slot
         return mass / viewers.clamp(min=1)
 
