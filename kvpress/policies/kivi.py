@@ -34,13 +34,7 @@ class KIVI(Codec):
             raise ValueError(f"{self.name}: residual_length={self.residual_length!r}; allowed values: an int >= 0")
 
     def for_model(self, model):
-        head_dim = model.head_dim
-        if head_dim % self.group_size or (head_dim * self.bits) % 8:
-            divisors = [g for g in (8, 16, 32, 64, 128) if head_dim % g == 0]
-            raise ValueError(
-                f"{self.name}: group_size={self.group_size} does not divide the model's head_dim={head_dim} "
-                f"(values are quantized in groups of channels); allowed values: {divisors}"
-            )
+        check_layout(self.name, model.head_dim, self.group_size, self.bits)
         return self
 
     def appends_before_change(self, layer) -> int:
@@ -61,3 +55,14 @@ class KIVI(Codec):
 
     def on_extend(self, ctx: Context) -> None:
         self.store(ctx.layer)  # only tokens older than the residual window are ever quantized
+
+
+def check_layout(name: str, head_dim: int, group_size: int, bits: int) -> None:
+    """Raise ValueError unless KIVI's layout fits the model's heads: values are quantized in groups of
+    `group_size` channels, and a row of `bits`-bit codes fills whole bytes."""
+    if head_dim % group_size or (head_dim * bits) % 8:
+        divisors = [g for g in (8, 16, 32, 64, 128) if head_dim % g == 0]
+        raise ValueError(
+            f"{name}: group_size={group_size} does not divide the model's head_dim={head_dim} "
+            f"(values are quantized in groups of channels); allowed values: {divisors}"
+        )

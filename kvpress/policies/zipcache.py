@@ -37,6 +37,7 @@ from ..cache.codecs import encode_kivi
 from ..cache.rollback import appends_before_flush
 from ..kernels.scores import attention_probs
 from .context import Context
+from .kivi import check_layout
 from .roles import Codec
 from .sparse import slots_of
 from .registry import register
@@ -62,7 +63,7 @@ class ZipCache(Codec):
     random_ratio: float = 0.05
     seed: int = 0
 
-    def validate(self) -> None:
+    def validate(self) -> None:  # (kinds come from the annotations: params.py)
         for field in ("high_bits", "low_bits"):
             if getattr(self, field) not in self.allowed_bits:
                 raise ValueError(f"{self.name}: {field}={getattr(self, field)!r}; allowed values: "
@@ -71,25 +72,17 @@ class ZipCache(Codec):
             raise ValueError(f"{self.name}: low_bits={self.low_bits} > high_bits={self.high_bits}; allowed values: "
                              f"low_bits <= high_bits")
         for field in ("low_ratio", "recent_ratio", "random_ratio"):
-            value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
-                raise ValueError(f"{self.name}: {field}={value!r}; allowed values: a number in [0, 1]")
+            if not 0 <= getattr(self, field) <= 1:
+                raise ValueError(f"{self.name}: {field}={getattr(self, field)!r}; allowed values: a number in [0, 1]")
         if self.recent_ratio <= 0:
             raise ValueError(f"{self.name}: recent_ratio={self.recent_ratio!r}; allowed values: a number in (0, 1] "
                              f"(the last query is always a probe)")
-        for field in ("group_size", "residual_length", "seed"):
-            value = getattr(self, field)
-            low = 1 if field == "group_size" else 0
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{self.name}: {field}={value!r}; allowed values: an int >= {low}")
+        for field, low in (("group_size", 1), ("residual_length", 0), ("seed", 0)):
+            if getattr(self, field) < low:
+                raise ValueError(f"{self.name}: {field}={getattr(self, field)!r}; allowed values: an int >= {low}")
 
     def for_model(self, model):
-        head_dim = model.head_dim
-        if head_dim % self.group_size or (head_dim * self.low_bits) % 8:
-            divisors = [g for g in (8, 16, 32, 64, 128) if head_dim % g == 0]
-            raise ValueError(f"{self.name}: group_size={self.group_size} does not divide the model's "
-                             f"head_dim={head_dim} (values are quantized in groups of channels); allowed values: "
-                             f"{divisors}")
+        check_layout(self.name, model.head_dim, self.group_size, self.low_bits)  # (low_bits: the stricter fill)
         return self
 
     def appends_before_change(self, layer) -> int:
