@@ -88,10 +88,6 @@ def _cat_rect(old: Segment, new: Segment) -> Segment:
                    {name: torch.cat([old.state[name], s], -1) for name, s in new.state.items()})
 
 
-def _cat_runs(old: Segment, new: Segment) -> Segment:
-    return old.cat_runs(new)
-
-
 def _rows_align_to(layer, group: int) -> bool:
     """Rectangular groups of `group` slots start at every row's first real token: each row's fillers all lead
     and come in whole groups (no padding at all, or padding that is a multiple of the group)."""
@@ -126,7 +122,7 @@ def _flush_flat(layer, residual: int, group: int, encode, partition) -> None:
     moved = _encoded(encode, partition, fp.view(fp.data.keys)[:, :, :width], fp.view(fp.data.values)[:, :, :width],
                      real, fp.view(fp.positions)[..., :width], real,
                      {n: fp.view(s)[..., :width] for n, s in fp.state.items()})
-    codes = _joined(layer.codes, [m.to_flat(0) for m in moved], _cat_runs)
+    codes = _joined(layer.codes, [m.to_flat(0) for m in moved], Segment.cat_runs)
     keep = ok & ~move
     if _rows_differ_only(keep.sum(-1)):
         # the heads of each row keep the same count (a padded batch: rows differ only by their phase in the
@@ -170,7 +166,7 @@ def _flush_right_aligned_tail(layer, counts: torch.Tensor, n_move: torch.Tensor,
                      positions.gather(-1, at), real, {n: s.gather(-1, at) for n, s in tail.state.items()})
     stay = slice(total - keep_width, total)
     valid = slots[stay] >= (lead + n_move)[..., None]
-    layer.segments = [*_joined(codes, [m.to_flat(0) for m in moved], _cat_runs), Segment(
+    layer.segments = [*_joined(codes, [m.to_flat(0) for m in moved], Segment.cat_runs), Segment(
         FullPrecision(tail.data.keys[:, :, stay].clone(), tail.data.values[:, :, stay].clone()),
         torch.where(valid, positions[..., stay], 0),
         None if bool(valid.all()) else valid, {n: s[..., stay].clone() for n, s in tail.state.items()})]
