@@ -178,6 +178,10 @@ def tiny_cases():
 
     for arch in ARCHS:
         for name, spec, params, extra in TINY_CONFIGS:
+            if arch == "qwen3" and spec == "knorm":
+                # Qwen3 normalises each key (k_norm, weights all 1 in a tiny random model): every key has the same
+                # norm, so knorm's kept set is decided by rounding, which differs between CPUs
+                continue
             yield f"tiny/{arch}/{name}", lambda a=arch, s=spec, p=params, e=extra: run_config(
                 tiny_model(a), *_tiny_inputs(), s, p, e)
         for draft, params in DRAFTS if arch != "gemma3" else []:  # gemma3: sliding layers cannot roll back yet
