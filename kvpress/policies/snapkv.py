@@ -50,29 +50,42 @@ class SnapKV(ScorerPolicy):
                 f"prefill_chunk_size={chunk_size} is smaller than {self.name}'s window_size={self.window_size}: each "
                 f"chunk's last window_size queries vote; allowed values: prefill_chunk_size >= {self.window_size}")
 
-    def _window(self, ctx: Context, n_keep: torch.Tensor | None = None) -> torch.Tensor:
-        valid = ctx.layer.key_valid()
-        n = torch.full(valid.shape[:2], min(self.window_size, ctx.q_len), device=valid.device)
-        return last_slots(ctx.layer, n if n_keep is None else torch.minimum(n, n_keep), among=valid)
-
     def score(self, ctx: Context):
-        window = min(self.window_size, ctx.q_len)
-        votes = ctx.attention_probs(last=window).sum(2)  # [B, Hq, T]
-        # window columns are dropped before pooling, as in the reference (they are kept anyway)
-        votes = votes.masked_fill(self._window(ctx).repeat_interleave(ctx.group_size, 1), 0.0)
-        # Pooled over each head's real slots in slot order: invalid filler slots between them (rows of a batch that
-        # keep different counts) must not widen a neighbourhood, or a row would score unlike itself alone
-        valid = ctx.layer.key_valid().repeat_interleave(ctx.group_size, 1)
-        order = (~valid).long().argsort(dim=-1, stable=True)  # real slots first, in slot order
-        outside = float("-inf") if self.pooling == "max" else 0.0  # what the pooling's own padding stands for
-        packed = votes.gather(-1, order).masked_fill(~valid.gather(-1, order), outside)
-        pad = self.kernel_size // 2
-        if self.pooling == "max":
-            pooled = F.max_pool1d(packed, self.kernel_size, stride=1, padding=pad)
-        else:
-            pooled = F.avg_pool1d(packed, self.kernel_size, stride=1, padding=pad)
-        pooled = torch.zeros_like(pooled).scatter_(-1, order, pooled).masked_fill(~valid, 0.0)
-        return ctx.to_kv_heads(pooled, "mean")
+        votes = ctx.attention_probs(last=min(self.window_size, ctx.q_len)).sum(2)  # [B, Hq, T]
+        return pooled_votes(ctx.layer, votes, self._window(ctx), self.kernel_size, self.pooling)
+
+    def _window(self, ctx: Context, n_keep: torch.Tensor | None = None) -> torch.Tensor:
+        return window_slots(ctx.layer, min(self.window_size, ctx.q_len), n_keep)
 
     def protected(self, ctx: Context, n_keep: torch.Tensor):
         return self._window(ctx, n_keep)
+
+
+def window_slots(layer, window: int, n_keep: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, Hkv, T] the newest `window` real slots of each row and head (at most n_keep [B, Hkv] of them): the
+    observation window, always kept."""
+    valid = layer.key_valid()
+    n = torch.full(valid.shape[:2], window, device=valid.device)
+    return last_slots(layer, n if n_keep is None else torch.minimum(n, n_keep), among=valid)
+
+
+def pooled_votes(layer, votes: torch.Tensor, window: torch.Tensor, kernel_size: int, pooling: str) -> torch.Tensor:
+    """SnapKV's scores [B, Hkv, T] from attention `votes` [B, Hq, T] summed over the observation rows: the window's
+    own columns dropped (they are kept anyway, as in the reference), pooled along the sequence ('max' or 'avg',
+    odd `kernel_size`), averaged over each GQA group."""
+    group = votes.shape[1] // layer.num_kv_heads
+    votes = votes.masked_fill(window.repeat_interleave(group, 1), 0.0)
+    # Pooled over each head's real slots in slot order: invalid filler slots between them (rows of a batch that
+    # keep different counts) must not widen a neighbourhood, or a row would score unlike itself alone
+    valid = layer.key_valid().repeat_interleave(group, 1)
+    order = (~valid).long().argsort(dim=-1, stable=True)  # real slots first, in slot order
+    outside = float("-inf") if pooling == "max" else 0.0  # what the pooling's own padding stands for
+    packed = votes.gather(-1, order).masked_fill(~valid.gather(-1, order), outside)
+    pad = kernel_size // 2
+    if pooling == "max":
+        pooled = F.max_pool1d(packed, kernel_size, stride=1, padding=pad)
+    else:
+        pooled = F.avg_pool1d(packed, kernel_size, stride=1, padding=pad)
+    pooled = torch.zeros_like(pooled).scatter_(-1, order, pooled).masked_fill(~valid, 0.0)
+    batch, hq, width = pooled.shape
+    return pooled.view(batch, hq // group, group, width).mean(2)
