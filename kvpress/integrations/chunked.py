@@ -107,7 +107,7 @@ def chunked_prefill(forward, cache: KVPressCache, chunk: int, question_tokens: i
             if observers:
                 out[output] = out[output][:, :-observers]
                 cache.forget_observers()
-            after_chunk(cache, step)
+            after_chunk(cache, step, (), out)
             if wanted > 0:
                 pieces.append(out[output])
     finally:

@@ -101,7 +101,7 @@ class ForwardHooks:
                 ctx, layer.room.context = layer.room.context, None
                 after_step(self.patch.policy, dataclasses.replace(ctx, probs=None))
         if isinstance(cache, KVPressCache) and cache.forward_state.prefilling:
-            self.after_prompt(cache, kwargs, args)
+            self.after_prompt(cache, kwargs, args, output)
         self.patch.live.forwards[-1].done = True
 
     def _exit(self, module, args, kwargs, output):
@@ -118,18 +118,19 @@ class ForwardHooks:
         finally:
             self.patch.exit_call()
 
-    def after_prompt(self, cache: KVPressCache, kwargs, args=()) -> None:
-        """After a prompt forward (or one chunk of a chunked prefill): the model-level hook, then the bytes held."""
+    def after_prompt(self, cache: KVPressCache, kwargs, args=(), output=None) -> None:
+        """After a prompt forward (or one chunk of a chunked prefill) that returned `output`: the model-level hook,
+        then the bytes held."""
         cache.forward_state.prefilling = False
         if self.patch.needs.model_pass:
             with torch.no_grad():  # what the hook keeps must hold no autograd history
-                self.patch.policy.after_prefill(self.model_pass(cache, kwargs, args))
+                self.patch.policy.after_prefill(self.model_pass(cache, kwargs, args, output))
         cache.prefill_nbytes = cache.nbytes()
         cache.prefill_kv_nbytes = sum(row["kv_bytes"] for row in cache.stats())
 
     # -- the model-level hook
-    def model_pass(self, cache: KVPressCache, kwargs, args=()) -> ModelPass:
-        """What after_prefill sees after a prompt forward with these arguments."""
+    def model_pass(self, cache: KVPressCache, kwargs, args=(), output=None) -> ModelPass:
+        """What after_prefill sees after a prompt forward with these arguments that returned `output`."""
         ids = kwargs.get("input_ids", args[0] if args else None)
         mask = kwargs.get("attention_mask")
         mask = mask if mask is not None and mask.dim() == 2 else None
@@ -147,26 +148,37 @@ class ForwardHooks:
         if layers:
             shards = HeadShards.of(layers[0][1].num_kv_heads, config_heads(model.config.get_text_config(decoder=True))[1])
         return ModelPass(model, cache, ids, mask, next_positions, prompt_tokens, prompt_length,
-                         functools.partial(self.probe, cache), shards=shards)
+                         functools.partial(self.probe, cache), shards=shards, logits=_last_logits(output))
 
-    def probe(self, cache: KVPressCache, input_ids, attention_mask, position_ids, on_layer) -> None:
-        """Run `input_ids` [B, n] over the cache (attending to everything it holds), calling `on_layer(ctx)` in every
-        kvpress layer after attention; then put every layer back exactly as it was (nothing the probe appended
-        stays; seen and positions are untouched)."""
+    def probe(self, cache: KVPressCache, input_ids, attention_mask, position_ids, on_layer, view=None):
+        """Run `input_ids` [B, n] over the cache (attending to everything it holds, or to what the ReadView `view`
+        selects), calling `on_layer(ctx)` in every kvpress layer after attention; then put every layer back exactly
+        as it was (nothing the probe appended stays; seen and positions are untouched). Returns the next-token
+        logits [B, vocab] after the last token (None for a bare decoder)."""
         saved = cache.checkpoint(room=input_ids.shape[1])
         state = cache.forward_state
         mask = state.token_mask
         state.probe = on_layer
+        read_policy, cache.read_policy = cache.read_policy, view
         model = self.patch.model
         try:
-            with torch.no_grad():  # one logit row at most: a probe needs what attention sees, not logits
+            with torch.no_grad():  # one logit row at most: a probe needs what attention sees, and the next token
                 logits = {} if model is self.patch.decoder else dict(logits_to_keep=1)
-                model(**with_cache(model, cache, input_ids=input_ids, attention_mask=attention_mask,
-                                   position_ids=position_ids, use_cache=True, **logits))
+                output = model(**with_cache(model, cache, input_ids=input_ids, attention_mask=attention_mask,
+                                            position_ids=position_ids, use_cache=True, **logits))
         finally:
             state.probe = None
+            cache.read_policy = read_policy
             cache.restore(saved)
             state.token_mask = mask
+        return _last_logits(output)
+
+
+def _last_logits(output) -> torch.Tensor | None:
+    """[B, vocab] fp32 next-token logits after a forward's last token; None when it returned none (a bare decoder's
+    hidden states, a tuple)."""
+    logits = getattr(output, "logits", None)
+    return None if logits is None else logits[:, -1].float()
 
 
 def _new_tokens(args, kwargs) -> int:

@@ -85,10 +85,14 @@ class ModelPass:
     # While a chunked prefill runs: real tokens of the whole prompt per row [B] and its padded length
     prompt_tokens: torch.Tensor | None
     prompt_length: int | None
-    # probe(input_ids, attention_mask, position_ids, on_layer): a forward of extra tokens over the cache that
-    # calls on_layer(ctx) in every kvpress layer after attention and leaves the cache exactly as it was
+    # probe(input_ids, attention_mask, position_ids, on_layer, view=None) -> logits: a forward of extra tokens over
+    # the cache that calls on_layer(ctx) in every kvpress layer after attention and leaves the cache exactly as it
+    # was; its attention reads what `view` (a ReadView) selects, else every slot. Returns the next-token logits
+    # [B, vocab] after its last token (None when the patched model is a bare decoder, which has no LM head)
     probe: Callable
     shards: HeadShards = SINGLE  # the block of KV heads this process's layers hold (all_heads)
+    # the next-token logits [B, vocab] after this forward's last token (None: the forward computed none)
+    logits: torch.Tensor | None = None
     # results a policy may share between passes over the same prompt (evals: configs that differ only in budget)
     memo: dict = dataclasses.field(default_factory=dict)
 
