@@ -9,7 +9,7 @@ import kvpress
 from evals.engine import Rows, answer, configs_for, decode_batches, prefill
 
 POLICIES = ["none", "snapkv", "knorm", "random", "h2o", "tova", "streaming_llm", "kivi", "snapkv+kivi", "kvzip",
-            "kvzip:budget_allocation=uniform", "expected_attention", "keydiff", "kvzip+kivi", "h2o:slack=3"]
+            "kvzip:budget_allocation=uniform", "expected_attention", "keydiff", "kvzip+kivi", "h2o:slack=3", "laq", "laq+kivi"]
 
 
 class _CharTokenizer:  # tiny models have no tokenizer: kvzip's replay prompt comes from this one
@@ -60,12 +60,12 @@ def test_each_config_matches_its_own_patched_generate(mode):
     batches = decode_batches(pre, configs)
     # prefill-only policies ride together under "none", decode-time evictors under Rows, low-bit ones alone
     kinds = {(type(policy).__name__, tuple(sorted({c.policy for c in batch}))) for batch, policy in batches}
-    assert ("NoCompression", ("expected_attention", "keydiff", "knorm", "kvzip:budget_allocation=uniform", "none",
-                              "random", "snapkv")) in kinds
+    assert ("NoCompression", ("expected_attention", "keydiff", "knorm", "kvzip:budget_allocation=uniform", "laq",
+                              "none", "random", "snapkv")) in kinds
     assert ("NoCompression", ("kvzip",)) in kinds  # flat per-head runs: a batch of their own
     assert ("Rows", ("h2o", "streaming_llm", "tova")) in kinds
     assert ("H2O", ("h2o:slack=3",)) in kinds  # evicts on its own schedule: alone, under its own policy
-    assert sum(1 for batch, _ in batches if len(batch) == 1 and "kivi" in batch[0].policy) == 3
+    assert sum(1 for batch, _ in batches if len(batch) == 1 and "kivi" in batch[0].policy) == 4
     for batch, policy in batches:
         tokens, _ = answer(model, pre, batch, policy, question, 8, set())
         for config, got in zip(batch, tokens):

@@ -30,6 +30,7 @@ PARAMS = {
     "expected_attention": dict(compression_ratio=0.6),
     "keydiff": dict(compression_ratio=0.6),
     "kvzip": dict(compression_ratio=0.6, chunk_size=16, tokenizer=TOK),
+    "laq": dict(compression_ratio=0.6, window_size=8, draft_window=16, lookahead=4),
     "kvzap": dict(compression_ratio=0.6, calibration=None),
     "duo_attention": dict(streaming_heads=0.5, n_sink=2, window=16, slack=4, calibration=None),
     "kivi": dict(bits=2, group_size=16, residual_length=16),
@@ -113,7 +114,7 @@ def test_slack_cuts_each_row_on_its_own_schedule():
     _assert_rows_as_alone("h2o", dict(budget=80, slack=3))
 
 
-CHUNKABLE = sorted(set(PARAMS) - {"kivi", "gear", "zipcache", "quest", "retrieval", "sink_window", "topk", "token_select", "recycled_attention", "hip", "tidal_decode", "lserve", "double_sparsity"})
+CHUNKABLE = sorted(set(PARAMS) - {"laq", "kivi", "gear", "zipcache", "quest", "retrieval", "sink_window", "topk", "token_select", "recycled_attention", "hip", "tidal_decode", "lserve", "double_sparsity"})
 
 
 @pytest.mark.parametrize("name", CHUNKABLE)

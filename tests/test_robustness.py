@@ -27,6 +27,7 @@ THREAD_POLICIES = [("snapkv", dict(compression_ratio=0.5)), ("h2o", dict(compres
                    ("expected_attention", dict(compression_ratio=0.5)), ("kivi", dict(bits=4, group_size=16,
                                                                                       residual_length=16)),
                    ("quest", dict(budget=24)), ("token_select", dict(budget=24, n_init=2, n_local=6)), ("kvzip", dict(compression_ratio=0.5, tokenizer=TOK)),
+                   ("laq", dict(compression_ratio=0.5, window_size=8, draft_window=16, lookahead=4)),
                    ("snapkv+kivi", dict(compression_ratio=0.5, bits=4, group_size=16, residual_length=16))]
 
 

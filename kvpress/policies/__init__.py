@@ -12,6 +12,7 @@ from .h2o import H2O
 from .keyformer import Keyformer
 from .streaming_llm import StreamingLLM
 from .kvzip import KVzip
+from .laq import LookaheadQCache
 from .expected_attention import ExpectedAttention
 from .keydiff import KeyDiff
 from .kvzap import KVzap
@@ -32,6 +33,6 @@ __all__ = [
     "Policy", "BudgetPolicy", "AllocatedBudgetPolicy", "ScorerPolicy", "Context", "select_kept",
     "Codec", "ReadView", "DecodeEviction",
     "register", "list_policies", "get_policy_class", "resolve_policy",
-    "NoCompression", "Knorm", "RandomPolicy", "TOVA", "SnapKV", "H2O", "Keyformer", "StreamingLLM", "KVzip", "ExpectedAttention", "KeyDiff", "KVzap", "DuoAttention",
+    "NoCompression", "Knorm", "RandomPolicy", "TOVA", "SnapKV", "H2O", "Keyformer", "StreamingLLM", "KVzip", "LookaheadQCache", "ExpectedAttention", "KeyDiff", "KVzap", "DuoAttention",
     "KIVI", "GEAR", "ZipCache", "Composed", "ReadPolicy", "Quest", "Retrieval", "TopK", "SinkWindow", "TokenSelect", "RecycledAttention", "HiP", "TidalDecode", "LServe", "DoubleSparsity", "Quant4View",
 ]
