@@ -190,6 +190,11 @@ def test_bad_parameters_and_uses_are_refused():
         kvpress.patch_model(model, "laq", budget=BUDGET, prefill_chunk_size=16)
     with pytest.raises(ValueError, match=r"laq: lookahead=8 generates pseudo tokens.*LlamaModel has no LM head"):
         kvpress.patch_model(model.model, "laq", budget=BUDGET)  # a bare decoder: no next-token logits
+    with kvpress.patch_model(model, "laq", budget=BUDGET), torch.no_grad():  # a forward that returns a tuple
+        cache = KVPressCache(model.config)
+        with pytest.raises(ValueError, match=r"laq: lookahead=8 generates from the prompt's next-token logits"):
+            model(_prompt(), past_key_values=cache, return_dict=False)
+        assert cache.get_seq_length() == 0  # a failed prompt leaves the cache empty, as before it
     with kvpress.patch_model(model.model, "laq", budget=BUDGET, lookahead=0), torch.no_grad():
         cache = KVPressCache(model.config)
         model.model(_prompt(), past_key_values=cache, use_cache=True)

@@ -75,9 +75,8 @@ class LookaheadQCache(AllocatedBudgetPolicy):
                              f"values: budget >= window_size")
 
     def for_model(self, model) -> "LookaheadQCache":
-        head = None if model.model is None or not hasattr(model.model, "get_output_embeddings") \
-            else model.model.get_output_embeddings()
-        if self.lookahead and head is None:
+        # (a serving engine passes no transformers model: it refuses model-level passes itself, prompts.py)
+        if self.lookahead and model.model is not None and model.model.get_output_embeddings() is None:
             raise ValueError(f"laq: lookahead={self.lookahead} generates pseudo tokens from the model's next-token "
                              f"logits, and {type(model.model).__name__} has no LM head; allowed values for this "
                              f"model: lookahead=0 (SnapKV), or patch the causal LM")
@@ -125,8 +124,9 @@ class LookaheadQCache(AllocatedBudgetPolicy):
         """(tokens [B, n], fed [B, n] bool): the greedy continuation over the stage-1 draft, and which of them are
         fed (a row's tokens before its first end-of-sequence token)."""
         if run.logits is None:
-            raise ValueError("laq: lookahead > 0 generates from the prompt's next-token logits, which this forward "
-                             "did not compute (a bare decoder has no LM head); allowed: a causal LM, or lookahead=0")
+            raise ValueError(f"laq: lookahead={self.lookahead} generates from the prompt's next-token logits, which "
+                             f"this forward did not return; allowed values: lookahead=0, or a forward that returns "
+                             f"logits (return_dict=True)")
         tokens = run.logits.argmax(-1, keepdim=True)
         stop = _end_tokens(run.model)
         fed = ~torch.isin(tokens, stop)
