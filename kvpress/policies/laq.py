@@ -40,7 +40,7 @@ from .protocol import ModelPass, Needs
 from .registry import register
 from .roles import ReadView
 from .selection import evict_to_budget, select_kept
-from .snapkv import pooled_votes, window_slots
+from .snapkv import check_window_and_pooling, pooled_votes, window_slots
 from .sparse import slots_of
 
 _DRAFT = "laq draft"  # layer.policy_stats: [B, Hkv, T] the stage-1 kept slots, until after_prefill
@@ -59,20 +59,14 @@ class LookaheadQCache(AllocatedBudgetPolicy):
 
     def validate(self) -> None:
         super().validate()
-        for param, low in (("lookahead", 0), ("window_size", 1), ("draft_window", 1)):
+        check_window_and_pooling(self.name, self.window_size, self.kernel_size, self.pooling, self.budget)
+        for param, low in (("lookahead", 0), ("draft_window", 1)):
             value = getattr(self, param)
             if value < low:
                 raise ValueError(f"laq: {param}={value!r}; allowed values: an int >= {low}")
-        if self.kernel_size < 1 or self.kernel_size % 2 == 0:
-            raise ValueError(f"laq: kernel_size={self.kernel_size!r}; allowed values: an odd int >= 1")
-        if self.pooling not in ("max", "avg"):
-            raise ValueError(f"laq: pooling={self.pooling!r}; allowed values: 'max', 'avg'")
         if self.decode_budget is not None:
             raise ValueError(f"laq: decode_budget={self.decode_budget!r}: laq evicts once, after the prompt; "
                              f"allowed values: None")
-        if self.budget is not None and self.budget < self.window_size:
-            raise ValueError(f"laq: budget={self.budget} is smaller than window_size={self.window_size}; allowed "
-                             f"values: budget >= window_size")
 
     def for_model(self, model) -> "LookaheadQCache":
         # (a serving engine passes no transformers model: it refuses model-level passes itself, prompts.py)

@@ -25,17 +25,7 @@ class SnapKV(ScorerPolicy):
 
     def validate(self) -> None:
         super().validate()
-        if self.window_size < 1:
-            raise ValueError(f"snapkv: window_size={self.window_size!r}; allowed values: an int >= 1")
-        if self.kernel_size < 1 or self.kernel_size % 2 == 0:
-            raise ValueError(f"snapkv: kernel_size={self.kernel_size!r}; allowed values: an odd int >= 1")
-        if self.pooling not in ("max", "avg"):
-            raise ValueError(f"snapkv: pooling={self.pooling!r}; allowed values: 'max', 'avg'")
-        if self.budget is not None and self.budget < self.window_size:
-            raise ValueError(
-                f"snapkv: budget={self.budget} is smaller than window_size={self.window_size}; "
-                f"allowed values: budget >= window_size"
-            )
+        check_window_and_pooling(self.name, self.window_size, self.kernel_size, self.pooling, self.budget)
 
     def query_rows(self) -> int:
         return self.window_size  # the observation window votes
@@ -59,6 +49,20 @@ class SnapKV(ScorerPolicy):
 
     def protected(self, ctx: Context, n_keep: torch.Tensor):
         return self._window(ctx, n_keep)
+
+
+def check_window_and_pooling(name: str, window_size: int, kernel_size: int, pooling: str, budget: int | None) -> None:
+    """Raise ValueError unless SnapKV's observation window and pooling are valid (SnapKV's, and LAQ's stage 2):
+    the window is kept whole, so an absolute budget holds it."""
+    if window_size < 1:
+        raise ValueError(f"{name}: window_size={window_size!r}; allowed values: an int >= 1")
+    if kernel_size < 1 or kernel_size % 2 == 0:
+        raise ValueError(f"{name}: kernel_size={kernel_size!r}; allowed values: an odd int >= 1")
+    if pooling not in ("max", "avg"):
+        raise ValueError(f"{name}: pooling={pooling!r}; allowed values: 'max', 'avg'")
+    if budget is not None and budget < window_size:
+        raise ValueError(f"{name}: budget={budget} is smaller than window_size={window_size}; "
+                         f"allowed values: budget >= window_size")
 
 
 def window_slots(layer, window: int, n_keep: torch.Tensor | None = None) -> torch.Tensor:
