@@ -19,7 +19,8 @@ KINDS = sorted(set(DRAFTS) - {"quant4"})  # read-subset drafts; quant4 (a precis
 # lserve's streaming heads need the model's calibration file: tests/test_lserve.py drafts with one
 # double_sparsity's label channels likewise (tests/test_double_sparsity.py): here the first 4 of the tiny models' 16
 DRAFT_PARAMS = {"lserve": dict(static_sparsity=0.0, page_size=8, sub_pages=2),
-                "double_sparsity": dict(dense_layers=1, channels={i: torch.arange(4).expand(4, 4) for i in (0, 1)})}
+                "double_sparsity": dict(dense_layers=1, channels={i: torch.arange(4).expand(4, 4) for i in (0, 1)}),
+                "shadowkv": dict(chunk_size=4, local_chunks=2, outlier_chunks=2)}
 
 
 def plain(model, ids, mask, n):
@@ -347,8 +348,8 @@ def test_page_stats_follow_appends_and_rollback():
 @pytest.mark.parametrize("kwargs,match", [
     (dict(gamma=0), r"gamma=0; allowed values: an int >= 1"),
     (dict(draft="medusa"), r"draft='medusa' is unknown; allowed values: \['double_sparsity', 'hip', 'lserve', 'quant4', "
-                           r"'quest', 'recycled_attention', 'retrieval', 'sink_window', 'tidal_decode', 'token_select', "
-                           r"'topk'\]"),
+                           r"'quest', 'recycled_attention', 'retrieval', 'shadowkv', 'sink_window', 'tidal_decode', "
+                           r"'token_select', 'topk'\]"),
     (dict(draft="quant4", gamma=200), r"gamma=200 exceeds the full-precision residual"),
     (dict(draft_budget=500), r"draft_budget=500 is larger than the context \(40 tokens\)"),
     (dict(do_sample=True, temperature=0.0), r"temperature=0.0; allowed values"),

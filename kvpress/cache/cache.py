@@ -243,6 +243,11 @@ class KVPressCache(Cache):
                 total += sum(t.numel() * t.element_size() for t in (layer.keys, layer.values))
         return total
 
+    def offloaded_nbytes(self) -> int:
+        """Bytes of storage kept outside memory, not in nbytes(): ShadowKV's values in their file tier."""
+        return sum(s.data.offloaded_nbytes() for _, layer in self.kvpress_layers() if layer.is_initialized
+                   for s in layer.segments)
+
     def stats(self) -> list[dict]:
         """Per layer: tokens seen, slots stored, real tokens kept per KV head (min/max), bytes (a capture reserve's
         included: `reserved_slots` of its room are not used yet)."""

@@ -1,7 +1,7 @@
 """Storage payloads: what a segment (segments.py) holds in its slots, and the one protocol every kind follows.
 
-Two kinds: `FullPrecision` (keys/values as computed, below) and `LowBitCodes` (KIVI/GEAR codes,
-kvpress/formats/lowbit.py). A segment never asks which kind it holds: it calls the methods of `Payload`, and reads
+Three kinds: `FullPrecision` (keys/values as computed, below), `LowBitCodes` (KIVI/GEAR codes,
+kvpress/formats/lowbit.py) and `ShadowKeys` (ShadowKV's low-rank keys and file-tier values, shadow.py). A segment never asks which kind it holds: it calls the methods of `Payload`, and reads
 the kind's declared `low_bit` where a layer must choose a kernel (the read table of read.py) or a layout.
 
 The tail of a layer (where tokens are appended) is always full precision: `append`, `reserve`, `trim`,
@@ -23,6 +23,7 @@ class Payload(Protocol):
     """Per-slot tensors [b, h, t, ...] of one segment, slot axis at dim 2. Every operation returns a new payload."""
 
     low_bit: ClassVar[bool]  # codes read through the low-bit kernels (True), or keys/values as computed
+    storage_kind: ClassVar[str | None]  # a kind with a reader of its own (shadow.py); None: from low_bit and layout
 
     @property
     def num_slots(self) -> int: ...
@@ -66,6 +67,9 @@ class Payload(Protocol):
 
     def nbytes(self) -> int: ...
 
+    def offloaded_nbytes(self) -> int:
+        """Bytes kept outside memory (a file tier), not in nbytes()."""
+
 
 @dataclass
 class FullPrecision:
@@ -73,6 +77,7 @@ class FullPrecision:
     this payload allocated its own buffers: keys/values are then their filled prefix."""
 
     low_bit: ClassVar[bool] = False
+    storage_kind: ClassVar[str | None] = None
 
     keys: torch.Tensor
     values: torch.Tensor
@@ -167,6 +172,9 @@ class FullPrecision:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def offloaded_nbytes(self) -> int:
+        return 0
 
 
 def _grown(old: torch.Tensor, new: torch.Tensor, capacity: int) -> torch.Tensor:

@@ -16,6 +16,7 @@ from ..kernels.online_softmax import Queries, dense_attention_state, empty_state
 from ..kernels.quant_attention import flat_lowbit_attention_state, lowbit_attention_state
 from ..kernels.sparse_attention import GATHER_SLOTS, flat_attention_state, sparse_attention
 from .segments import CODES, DENSE, FLAT, FLAT_CODES
+from .shadow import SHADOW
 from .view import view_part
 
 MASK_ROWS = 256  # query rows per block when dense attention needs a mask built from stored positions
@@ -60,6 +61,12 @@ def _flat_codes_state(layer, segment, offset, queries, state, precision, use_tri
     return flat_lowbit_attention_state(queries, segment.data, segment.positions, segment.lengths, state, precision)
 
 
+def _shadow_state(layer, segment, offset, queries, state, precision, use_triton, tail):
+    batch, heads = layer.batch_heads
+    return segment.data.attention_state(queries, segment.view_positions(offset, batch, heads, layer.device),
+                                        segment.valid, state)
+
+
 # key logits: (layer, index of the segment, segment, scaled queries [B, Hkv, g, r, D], slots n, block, fp32_keys)
 # -> logits parts [B, Hkv, g, r, n'] in slot order
 def _logits_of_view(layer, i, segment, q, n, block, fp32_keys):
@@ -92,6 +99,7 @@ READERS = {
     FLAT: SegmentReader(_flat_state, reads_tail=True, key_logits=_logits_of_view),
     CODES: SegmentReader(_codes_state, reads_tail=True, key_logits=_logits_in_blocks),  # KIVI's layout
     FLAT_CODES: SegmentReader(_flat_codes_state, reads_tail=False, key_logits=_logits_of_view),
+    SHADOW: SegmentReader(_shadow_state, reads_tail=False, key_logits=_logits_of_view),  # ShadowKV's two tiers
 }
 
 

@@ -53,8 +53,9 @@ class Segment:
 
     @property
     def kind(self) -> str:
-        """The storage kind, which picks a segment's kernel (read.py): DENSE, FLAT, CODES or FLAT_CODES."""
-        return KINDS[self.low_bit, self.flat]
+        """The storage kind, which picks a segment's kernel (read.py): DENSE, FLAT, CODES or FLAT_CODES, or the
+        payload's own (ShadowKV's, shadow.py)."""
+        return self.data.storage_kind or KINDS[self.low_bit, self.flat]
 
     @property
     def num_slots(self) -> int:

@@ -77,6 +77,7 @@ class LowBitCodes:
     (the protocol of kvpress/cache/payloads.py)."""
 
     low_bit: ClassVar[bool] = True  # the payload kind: codes, read through the low-bit kernels
+    storage_kind: ClassVar[str | None] = None  # its reader follows from low_bit and the layout
     key_dtype: ClassVar[torch.dtype] = torch.float32  # keys are read back (dequantized) in fp32
 
     bits: int
@@ -130,6 +131,9 @@ class LowBitCodes:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def offloaded_nbytes(self) -> int:
+        return 0
 
     def key_groups(self) -> torch.Tensor:
         if self.k_group is not None:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ..cache import KVPressLayer
-from ..policies import Codec, Context, Policy, ReadView
+from ..policies import Codec, Context, Policy, ReadView, StorageTier
 from ..policies.allocation import whole_pages
 from ..positions import Rotary
 
@@ -30,9 +30,9 @@ def check_servable(policy: Policy) -> None:
     """Raise ValueError unless `policy` decides from one prompt's tensors, layer by layer, at the prompt's end: what
     an engine that frees whole pages after the prompt can run."""
     name = policy.name
-    if isinstance(policy, Codec) or len(policy.parts()) > 1:
-        raise ValueError(f"policy={policy.describe()!r}: low-bit storage (kivi, gear) needs kvpress's own cache "
-                         f"layout, not the engine's pages; allowed: an eviction policy alone")
+    if isinstance(policy, (Codec, StorageTier)) or len(policy.parts()) > 1:
+        raise ValueError(f"policy={policy.describe()!r}: low-bit storage (kivi, gear) and storage tiers (shadowkv) "
+                         f"need kvpress's own cache layout, not the engine's pages; allowed: an eviction policy alone")
     if isinstance(policy, ReadView):
         raise ValueError(f"policy={name!r} is a read policy (it evicts nothing, it picks what each decode step reads); "
                          f"allowed: an eviction policy")

@@ -1,7 +1,7 @@
 """Policies: one small file each, registered by name."""
 
 from .base import (AllocatedBudgetPolicy, BudgetPolicy, Codec, Context, DecodeEviction, Policy, ReadView, ScorerPolicy,
-                   select_kept)
+                   StorageTier, select_kept)
 from .registry import get_policy_class, list_policies, register, resolve_policy
 from .none import NoCompression
 from .knorm import Knorm
@@ -28,11 +28,12 @@ from .hip import HiP
 from .tidal_decode import TidalDecode
 from .lserve import LServe
 from .double_sparsity import DoubleSparsity
+from .shadowkv import ShadowKV, ShadowKVView
 
 __all__ = [
     "Policy", "BudgetPolicy", "AllocatedBudgetPolicy", "ScorerPolicy", "Context", "select_kept",
-    "Codec", "ReadView", "DecodeEviction",
+    "Codec", "ReadView", "DecodeEviction", "StorageTier",
     "register", "list_policies", "get_policy_class", "resolve_policy",
     "NoCompression", "Knorm", "RandomPolicy", "TOVA", "SnapKV", "H2O", "Keyformer", "StreamingLLM", "KVzip", "LookaheadQCache", "ExpectedAttention", "KeyDiff", "KVzap", "DuoAttention",
-    "KIVI", "GEAR", "ZipCache", "Composed", "ReadPolicy", "Quest", "Retrieval", "TopK", "SinkWindow", "TokenSelect", "RecycledAttention", "HiP", "TidalDecode", "LServe", "DoubleSparsity", "Quant4View",
+    "KIVI", "GEAR", "ZipCache", "Composed", "ReadPolicy", "Quest", "Retrieval", "TopK", "SinkWindow", "TokenSelect", "RecycledAttention", "HiP", "TidalDecode", "LServe", "DoubleSparsity", "ShadowKV", "ShadowKVView", "Quant4View",
 ]

@@ -7,7 +7,7 @@ import dataclasses
 from .compose import Composed
 from .params import check_params
 from .protocol import Policy
-from .roles import Codec, ReadView
+from .roles import Codec, ReadView, StorageTier
 
 _REGISTRY: dict[str, type[Policy]] = {}
 
@@ -75,6 +75,11 @@ def _compose(parts, params: dict) -> Policy:
         raise ValueError(f"policy: {readers[0].name!r} is a read policy (it picks the slots each decode step reads and "
                          f"evicts nothing), which composes with no eviction policy or codec; allowed: "
                          f"{readers[0].name!r} alone, or as a speculative draft")
+    tiers = [p for p in built if isinstance(p, StorageTier)]
+    if tiers:
+        raise ValueError(f"policy: {tiers[0].name!r} is a storage tier (it stores the whole prompt in a layout of its "
+                         f"own and evicts nothing), which composes with no eviction policy or codec; allowed: "
+                         f"{tiers[0].name!r} alone")
     codecs = [p for p in built if isinstance(p, Codec)]
     evictors = [p for p in built if not isinstance(p, Codec)]
     if len(codecs) > 1:

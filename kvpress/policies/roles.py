@@ -6,6 +6,8 @@ integration, speculative decoding, evals, serving) asks one question the same wa
   ReadView        picks the slots each decode step reads (`select(ctx)`); evicts nothing (Quest, Retrieval, TopK,
                   SinkWindow). Used alone, or as the draft view of self-speculative decoding.
   DecodeEviction  may evict while decoding: on_decode compacts the layer (H2O, TOVA, StreamingLLM, DuoAttention).
+  StorageTier     moves the prompt into a storage of its own at its end, which decides what each step reads
+                  (ShadowKV's low-rank keys and file-tier values); evicts nothing, composes with nothing.
   key rewriting   `Policy.rewrites_keys` / `Policy.key_view`: attention reads rewritten keys. A property, not a
                   type: it depends on a hyper-parameter (StreamingLLM's cache_local_positions).
 A composition (compose.Composed) has no role of its own: ask its parts (Policy.parts()). Every role that changes
@@ -60,3 +62,8 @@ class DecodeEviction(Policy):
     @property
     def decode_change(self) -> str | None:
         return "evicts tokens while decoding"
+
+
+@dataclass
+class StorageTier(Policy):
+    """Stores each layer's prompt in a payload kind of its own (cache/shadow.py), read by that kind's reader."""

@@ -25,14 +25,14 @@ from ..cache import KVPressCache
 from ..integrations.hf import given_cache, with_cache
 from ..integrations.patching import patch_model
 from ..integrations.registry import patch_of
-from ..policies import (KIVI, Codec, DoubleSparsity, HiP, LServe, Quant4View, Quest, ReadPolicy, RecycledAttention, Retrieval, SinkWindow,
-                        TidalDecode, TokenSelect, TopK)
+from ..policies import (KIVI, Codec, DoubleSparsity, HiP, LServe, Quant4View, Quest, ReadPolicy, RecycledAttention, Retrieval,
+                        ShadowKVView, SinkWindow, TidalDecode, TokenSelect, TopK)
 from ..policies.registry import check_params, resolve_policy
 
 DRAFTS = {"sink_window": SinkWindow, "retrieval": Retrieval, "quest": Quest, "topk": TopK, "token_select": TokenSelect,
           "recycled_attention": RecycledAttention, "hip": HiP,
           "tidal_decode": TidalDecode, "lserve": LServe,
-          "double_sparsity": DoubleSparsity, "quant4": Quant4View}
+          "double_sparsity": DoubleSparsity, "shadowkv": ShadowKVView, "quant4": Quant4View}
 # An unpatched model is patched for the calls that run on it (the target policy), and unpatched when the last of them
 # returns: calls on several threads at once share that one patch (model -> [patch, calls using it]).
 _SHARED: "weakref.WeakKeyDictionary[torch.nn.Module, list]" = weakref.WeakKeyDictionary()
