@@ -7,6 +7,7 @@ import torch
 from .layer import KVPressLayer
 from .payloads import FullPrecision
 from .segments import Segment, empty_tail
+from .shadow import SHADOW
 from .view import flat_full_precision
 
 
@@ -21,6 +22,8 @@ def stack_rows(layers: list[KVPressLayer]) -> KVPressLayer:
         raise ValueError(f"stack: rows of one batch must have seen the same tokens; got {[l.seen for l in layers]}")
     if any(l.codes for l in layers):
         raise ValueError("stack: layers holding low-bit codes cannot be stacked as rows; decode them alone")
+    if any(s.kind == SHADOW for l in layers for s in l.segments):
+        raise ValueError("stack: layers holding ShadowKV's tiers cannot be stacked as rows; decode them alone")
     first = layers[0]
     out = KVPressLayer()
     out.is_initialized, out.dtype, out.device = True, first.dtype, first.device

@@ -67,3 +67,7 @@ class DecodeEviction(Policy):
 @dataclass
 class StorageTier(Policy):
     """Stores each layer's prompt in a payload kind of its own (cache/shadow.py), read by that kind's reader."""
+
+    @property
+    def decode_change(self) -> str:
+        return "reads a selection of its stored prompt at every decode step"
