@@ -10,6 +10,7 @@ from transformers import LlamaConfig
 import kvpress
 from kvpress import KVPressCache
 from kvpress.cache.saving import to_tensors
+from kvpress.cache.shadow import FileTier
 from kvpress.kernels.online_softmax import Queries
 from kvpress.policies import Context, ShadowKV
 from kvpress.positions import Rotary
@@ -172,3 +173,10 @@ def test_as_a_draft_greedy_output_is_plain_greedy():
     out = speculative_generate(model, ids, draft="shadowkv", gamma=3, max_new_tokens=20, draft_budget=8,
                                chunk_size=4, local_chunks=2, outlier_chunks=2)
     assert out.tolist() == ref.tolist()
+
+
+@pytest.mark.skipif(FileTier("/dev/shm").memory_filesystem() is None, reason="no tmpfs at /dev/shm here")
+def test_a_folder_in_memory_is_refused_as_the_file_tier():
+    with pytest.raises(ValueError, match=r"shadowkv: offload_dir='/dev/shm' puts the values in '/dev/shm', a tmpfs "
+                                         r"folder that keeps its files in RAM; allowed values: a folder on disk"):
+        ShadowKV(offload_dir="/dev/shm")

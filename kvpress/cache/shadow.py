@@ -44,6 +44,20 @@ class FileTier:
     def __init__(self, folder: str | None = None):
         self.folder = folder or os.environ.get("KVPRESS_OFFLOAD_DIR") or tempfile.gettempdir()
 
+    def memory_filesystem(self) -> str | None:
+        """The file system type when the folder lives in memory (tmpfs, ramfs: its files would stay in RAM), else
+        None (Linux's mount table; None where there is none)."""
+        try:
+            with open("/proc/mounts") as f:
+                mounts = [line.split()[1:3] for line in f]
+        except OSError:
+            return None
+        folder = os.path.realpath(self.folder)
+        inside = [(point, kind) for point, kind in mounts
+                  if folder == point or folder.startswith(point.rstrip("/") + "/")]
+        point, kind = max(inside, key=lambda m: len(m[0]), default=("", ""))
+        return kind if kind in ("tmpfs", "ramfs") else None
+
     def put(self, tensor: torch.Tensor) -> torch.Tensor:
         tensor = tensor.detach().to("cpu").contiguous()
         fd, path = tempfile.mkstemp(prefix="kvpress-shadow-", suffix=".bin", dir=self.folder)

@@ -109,6 +109,11 @@ class ShadowKV(_Chunking, StorageTier):
         if self.offload_dir is not None and not os.path.isdir(self.offload_dir):
             raise ValueError(f"shadowkv: offload_dir={self.offload_dir!r} is not a folder; allowed values: None or "
                              f"an existing folder")
+        tier = FileTier(self.offload_dir)
+        if (kind := tier.memory_filesystem()) is not None:
+            raise ValueError(f"shadowkv: offload_dir={self.offload_dir!r} puts the values in {tier.folder!r}, a {kind} "
+                             f"folder that keeps its files in RAM; allowed values: a folder on disk (offload_dir, or "
+                             f"$KVPRESS_OFFLOAD_DIR)")
 
     def needs(self) -> Needs:
         return Needs(rotary=True)
