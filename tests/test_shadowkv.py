@@ -8,11 +8,11 @@ import torch
 from transformers import LlamaConfig
 
 import kvpress
-from kvpress import KVPressCache
+from kvpress import KVPressCache, KVPressLayer
 from kvpress.cache.saving import to_tensors
 from kvpress.cache.shadow import FileTier
 from kvpress.kernels.online_softmax import Queries
-from kvpress.policies import Context, ShadowKV
+from kvpress.policies import Context, ShadowKV, ShadowKVView
 from kvpress.positions import Rotary
 from kvpress.speculative import speculative_generate
 
@@ -39,15 +39,11 @@ def _prompt(seed=0):
     return pre, _rope(pre, torch.arange(T)), torch.randn(B, HKV, T, D, generator=g).double()
 
 
-def _expected(pre, post, values, query, policy, rank):
-    """Attention output [B, HQ, 1, D] of one decode query by the definition, per row and KV head."""
-    c, g = policy.chunk_size, HQ // HKV
-    out = torch.zeros(B, HQ, 1, D, dtype=torch.float64)
+def _chosen(post, query, policy):
+    """{(row, KV head): (slots read through landmarks, slots read exactly)} by the definition (no padding)."""
+    c, g, out = policy.chunk_size, HQ // HKV, {}
+    n = T // c - policy.local_chunks
     for b in range(B):
-        u, s, vh = torch.linalg.svd(pre[b].transpose(0, 1).reshape(T, HKV * D), full_matrices=False)
-        low = ((u[:, :rank] * s[:rank]) @ vh[:rank]).view(T, HKV, D).transpose(0, 1)
-        low = _rope(low, torch.arange(T))
-        n = T // c - policy.local_chunks
         for h in range(HKV):
             chunks = post[b, h, :n * c].view(n, c, D)
             means = chunks.mean(1)
@@ -58,13 +54,39 @@ def _expected(pre, post, values, query, policy, rank):
             q = query[b, h * g:(h + 1) * g, 0].double()
             score = torch.softmax(q @ means[others].T * D ** -0.5, -1).amax(0)
             chosen = [others[i] for i in score.topk(policy.budget // c).indices.tolist()]
-            exact = [i * c + j for i in sorted(outliers) for j in range(c)] + list(range(n * c, T))
-            read = [i * c + j for i in chosen for j in range(c)]
+            out[b, h] = ([i * c + j for i in chosen for j in range(c)],
+                         [i * c + j for i in sorted(outliers) for j in range(c)] + list(range(n * c, T)))
+    return out
+
+
+def _expected(pre, post, values, query, policy, rank):
+    """Attention output [B, HQ, 1, D] of one decode query by the definition, per row and KV head."""
+    g = HQ // HKV
+    out = torch.zeros(B, HQ, 1, D, dtype=torch.float64)
+    chosen = _chosen(post, query, policy)
+    for b in range(B):
+        u, s, vh = torch.linalg.svd(pre[b].transpose(0, 1).reshape(T, HKV * D), full_matrices=False)
+        low = ((u[:, :rank] * s[:rank]) @ vh[:rank]).view(T, HKV, D).transpose(0, 1)
+        low = _rope(low, torch.arange(T))
+        for h in range(HKV):
+            read, exact = chosen[b, h]
             keys = torch.cat([low[h, read], post[b, h, exact]])
             vals = torch.cat([values[b, h, read], values[b, h, exact]])
+            q = query[b, h * g:(h + 1) * g, 0].double()
             weights = torch.softmax(q @ keys.T * D ** -0.5, -1)
             out[b, h * g:(h + 1) * g, 0] = weights @ vals
     return out
+
+
+def test_the_draft_view_reads_the_same_chunks_with_their_exact_keys():
+    _, post, _ = _prompt(2)
+    view = ShadowKVView(budget=16, chunk_size=4, local_chunks=2, outlier_chunks=3)
+    query = torch.randn(B, HQ, 1, D, generator=torch.Generator().manual_seed(6))
+    layer = KVPressLayer()
+    layer.update(post.float(), torch.randn(B, HKV, T, D))
+    slots, ok = view.select(Context(layer_idx=0, layer=layer, phase="decode", query=query, scaling=D ** -0.5))
+    got = {(b, h): sorted(slots[b, h][ok[b, h]].tolist()) for b in range(B) for h in range(HKV)}
+    assert got == {key: sorted(read + exact) for key, (read, exact) in _chosen(post, query, view).items()}
 
 
 def test_a_read_is_the_definition_of_shadowkv():

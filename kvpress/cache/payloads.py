@@ -1,8 +1,9 @@
 """Storage payloads: what a segment (segments.py) holds in its slots, and the one protocol every kind follows.
 
 Three kinds: `FullPrecision` (keys/values as computed, below), `LowBitCodes` (KIVI/GEAR codes,
-kvpress/formats/lowbit.py) and `ShadowKeys` (ShadowKV's low-rank keys and file-tier values, shadow.py). A segment never asks which kind it holds: it calls the methods of `Payload`, and reads
-the kind's declared `low_bit` where a layer must choose a kernel (the read table of read.py) or a layout.
+kvpress/formats/lowbit.py) and `ShadowKeys` (ShadowKV's low-rank keys and file-tier values, shadow.py). A segment
+never asks which kind it holds: it calls the methods of `Payload`, and reads the kind's declared `low_bit` (or
+`storage_kind`) where a layer must choose a kernel (the read table of read.py) or a layout.
 
 The tail of a layer (where tokens are appended) is always full precision: `append`, `reserve`, `trim`,
 `truncate`, `room` and `keys`/`values` belong to FullPrecision alone, and only the layer's tail and full-precision
