@@ -63,7 +63,7 @@ class FileTier:
         fd, path = tempfile.mkstemp(prefix="kvpress-shadow-", suffix=".bin", dir=self.folder)
         try:
             with os.fdopen(fd, "wb") as f:
-                f.write(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+                tensor.view(torch.uint8).numpy().tofile(f)  # (no copy of the tensor in between)
                 f.flush()
                 os.fsync(f.fileno())
                 if hasattr(os, "posix_fadvise"):  # written and synced: its page-cache copy may go now
@@ -100,7 +100,7 @@ class ShadowKeys:
     coeffs: torch.Tensor  # [B, 1, W, r] model dtype
     basis: torch.Tensor  # [B, Hkv, r, D] model dtype
     rope: torch.Tensor  # [B, W] int32
-    landmarks: torch.Tensor  # [B, Hkv, N, D] fp32
+    landmarks: torch.Tensor  # [B, Hkv, N, D] model dtype
     landmark_start: torch.Tensor  # [B, Hkv, N] first slot of each landmark's chunk
     landmark_ok: torch.Tensor  # [B, Hkv, N] a real chunk (not padding)
     exact_slots: torch.Tensor  # [B, Hkv, E] slots read exactly (outlier and local chunks)

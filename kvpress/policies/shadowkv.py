@@ -147,10 +147,10 @@ class ShadowKV(_Chunking, StorageTier):
             coeffs[b, 0, lead:, :u.shape[1]], basis[b, :, :u.shape[1]] = u, sv
         take = plan["exact"][..., None].expand(-1, -1, -1, dim)
         tier = FileTier(self.offload_dir)
-        store(layer, ShadowKeys(coeffs, basis, rope.to(torch.int32).contiguous(), plan["landmarks"], plan["starts"],
-                                plan["landmark_ok"], plan["exact"], plan["exact_ok"], keys.gather(2, take),
-                                values.gather(2, take), tier.put(values), self.chunk_size, self.select_chunks,
-                                ctx.rotary, tier))
+        store(layer, ShadowKeys(coeffs, basis, rope.to(torch.int32).contiguous(), plan["landmarks"].to(keys.dtype),
+                                plan["starts"], plan["landmark_ok"], plan["exact"], plan["exact_ok"],
+                                keys.gather(2, take), values.gather(2, take), tier.put(values), self.chunk_size,
+                                self.select_chunks, ctx.rotary, tier))
 
     @staticmethod
     def _factors(keys: torch.Tensor, rope: torch.Tensor, rotary, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
