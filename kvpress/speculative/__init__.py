@@ -1,5 +1,8 @@
-"""Self-speculative decoding: the model drafts from a cheap view of its own compressed cache."""
+"""Self-speculative decoding: the model drafts from a cheap view of its own compressed cache (generate.py), or from a
+retrieved short context in a cache of its own (rapid.py, RAPID)."""
 
 from .generate import DRAFTS, SpeculativeStats, accept, custom_generate, last_stats, speculative_generate
+from .rapid import bm25_chunks, rapid_generate
 
-__all__ = ["DRAFTS", "SpeculativeStats", "accept", "custom_generate", "last_stats", "speculative_generate"]
+__all__ = ["DRAFTS", "SpeculativeStats", "accept", "bm25_chunks", "custom_generate", "last_stats", "rapid_generate",
+           "speculative_generate"]

@@ -94,13 +94,13 @@ def last_stats(model) -> SpeculativeStats:
     return stats
 
 
-def _clock(device: torch.device) -> float:
+def clock(device: torch.device) -> float:
     if device.type == "cuda":  # kernels run asynchronously: without this, a phase would be charged the previous one's
         torch.cuda.synchronize(device)
     return time.perf_counter()
 
 
-def _distribution(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+def sampling_distribution(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
     """Sampling distribution after temperature and top-p (transformers' conventions), fp32."""
     logits = logits.float() / temperature
     if top_p < 1.0:
@@ -279,7 +279,7 @@ def speculative_generate(model, input_ids, attention_mask=None, *, draft="sink_w
 def _loop(model, policy, input_ids, prompt_mask, view, gamma, max_new_tokens, do_sample, temperature, top_p,
           eos_token_id, pad_token_id, generator, return_stats, given):
     device = input_ids.device
-    start = _clock(device)
+    start = clock(device)
     batch, prompt_len = input_ids.shape
     cache = KVPressCache(model.config) if given is None else given
     # hybrid models' sliding-window layers (transformers' own) then keep past states until each crop, so a
@@ -300,12 +300,12 @@ def _loop(model, policy, input_ids, prompt_mask, view, gamma, max_new_tokens, do
     def pick(logits):
         if not do_sample:
             return logits.argmax(-1), None
-        probs = _distribution(logits, temperature, top_p)
+        probs = sampling_distribution(logits, temperature, top_p)
         return torch.multinomial(probs, 1, generator=generator).squeeze(-1), probs
 
     stats = SpeculativeStats()
     token, _ = pick(forward(input_ids[:, cache.get_seq_length():])[:, -1])
-    stats.prefill_s = _clock(device) - start
+    stats.prefill_s = clock(device) - start
     out = [token[:, None]]
     finished = torch.isin(token, eos)
     produced = 1
@@ -320,7 +320,7 @@ def _loop(model, policy, input_ids, prompt_mask, view, gamma, max_new_tokens, do
             g = max(0, min(g, room - 1))
         last = out[-1][:, -1:]
         drafts, q_probs = [], []
-        t_draft = _clock(device)
+        t_draft = clock(device)
         cache.read_policy = view
         try:
             current = last
@@ -333,12 +333,12 @@ def _loop(model, policy, input_ids, prompt_mask, view, gamma, max_new_tokens, do
             cache.read_policy = None
         if g:
             cache.crop(-g)  # the draft's KV of `last`, d_1..d_{g-1}: the verifier recomputes it exactly
-        t_verify = _clock(device)
+        t_verify = clock(device)
         stats.draft_s += t_verify - t_draft
         d = torch.stack(drafts, 1) if g else last.new_zeros(batch, 0)
         logits = forward(torch.cat([last, d], 1))  # [B, g+1, V], full view
         if do_sample:
-            n, nxt = accept(_distribution(logits, temperature, top_p), torch.stack(q_probs, 1) if g else
+            n, nxt = accept(sampling_distribution(logits, temperature, top_p), torch.stack(q_probs, 1) if g else
                             logits.new_zeros(batch, 0, logits.shape[-1]), d, generator)
         else:
             n, nxt = accept(logits, None, d)
@@ -346,7 +346,7 @@ def _loop(model, policy, input_ids, prompt_mask, view, gamma, max_new_tokens, do
         tail = nxt if k == g else torch.where(n == k, nxt, d[:, k])
         emitted = torch.cat([d[:, :k], tail[:, None]], 1)  # k + 1 tokens for every row
         cache.crop(-(g - k))  # keep `last` and d_1..d_k, whose KV the verifier just wrote
-        stats.verify_s += _clock(device) - t_verify
+        stats.verify_s += clock(device) - t_verify
         # rows that already produced EOS emit padding, as generate does
         done_before = finished[:, None].expand_as(emitted).clone()
         hit = torch.isin(emitted, eos)
@@ -365,7 +365,7 @@ def _loop(model, policy, input_ids, prompt_mask, view, gamma, max_new_tokens, do
         new = new[:, :int(hit.long().argmax(1).max()) + 1]
     result = torch.cat([input_ids, new], 1)
     stats.emitted = new.shape[1]
-    stats.total_s = _clock(device) - start
+    stats.total_s = clock(device) - start
     with _SHARED_LOCK:
         _LAST[model] = stats
     return (result, stats) if return_stats else result
