@@ -203,10 +203,10 @@ def test_acceptance_rule_reproduces_the_target_distribution(case):
         q[:3] = 0
     p, q = p / p.sum(), q / q.sum()
     if case == "top_p":
-        from kvpress.speculative.generate import _distribution
+        from kvpress.speculative.generate import sampling_distribution
 
-        p = _distribution(torch.log(p), 1.0, 0.7)
-        q = _distribution(torch.log(q), 1.0, 0.7)
+        p = sampling_distribution(torch.log(p), 1.0, 0.7)
+        q = sampling_distribution(torch.log(q), 1.0, 0.7)
     p2 = torch.stack([p, p])[None]  # position 1 and bonus
     tokens = _emitted(p2, q[None, None], N, gen)
     empirical = torch.bincount(tokens, minlength=V).float() / N
