@@ -110,3 +110,16 @@ def test_a_patched_model_is_refused():
     with kvpress.patch_model(model, "none"):
         with pytest.raises(ValueError, match=r"model: patched by kvpress; .* allowed: an unpatched model"):
             rapid_generate(model, context, question)
+
+
+def test_retrieval_scores_against_query_ids_when_given(monkeypatch):
+    model = tiny_model("llama")
+    context, question = _case()
+    seen = []
+    real = rapid_module.bm25_chunks
+    monkeypatch.setattr(rapid_module, "bm25_chunks", lambda c, q, *a: seen.append(q.tolist()) or real(c, q, *a))
+    rapid_generate(model, context, question, chunk_size=32, max_new_tokens=2)
+    rapid_generate(model, context, question, chunk_size=32, max_new_tokens=2, query_ids=torch.tensor([[9, 10]]))
+    assert seen == [question[0].tolist(), [9, 10]]
+    with pytest.raises(ValueError, match=r"query_ids: \(2,\); allowed values: a tensor of token ids \[1, n\]"):
+        rapid_generate(model, context, question, query_ids=torch.tensor([9, 10]))

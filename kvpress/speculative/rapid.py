@@ -48,16 +48,19 @@ def bm25_chunks(context: torch.Tensor, question: torch.Tensor, chunk_size: int, 
 def rapid_generate(model, context_ids: torch.Tensor, question_ids: torch.Tensor, *, chunk_size: int = 128,
                    draft_tokens: int | None = None, gamma: int = 10, max_new_tokens: int = 64, do_sample: bool = False,
                    temperature: float = 1.0, top_p: float = 1.0, eos_token_id=None, generator=None,
-                   return_stats: bool = False):
+                   query_ids: torch.Tensor | None = None, return_stats: bool = False):
     """Generate the answer to `question_ids` [1, Lq] about `context_ids` [1, L] (the prompt is context + question, as
     the target sees it), drafting from the `draft_tokens` context tokens BM25 finds for the question (default: a
-    tenth of the context, at least one chunk). Returns ids [1, L + Lq + new] like `generate` (and SpeculativeStats with
+    tenth of the context, at least one chunk). query_ids [1, n]: what retrieval scores the chunks against (default:
+    question_ids; give the question's own words when question_ids carries a chat template's tokens, which would
+    otherwise pull in the chunk holding the template's start). Returns ids [1, L + Lq + new] like `generate` (and SpeculativeStats with
     return_stats=True). The model must be unpatched: both caches are transformers' own."""
-    _check(model, context_ids, question_ids, chunk_size, draft_tokens, gamma, max_new_tokens, do_sample, temperature,
-           top_p)
+    _check(model, context_ids, question_ids, query_ids, chunk_size, draft_tokens, gamma, max_new_tokens, do_sample,
+           temperature, top_p)
     length = context_ids.shape[1]
     budget = draft_tokens if draft_tokens is not None else max(chunk_size, length // 10)
-    keep = bm25_chunks(context_ids[0], question_ids[0], chunk_size, max(1, budget // chunk_size))
+    query = question_ids if query_ids is None else query_ids
+    keep = bm25_chunks(context_ids[0], query[0], chunk_size, max(1, budget // chunk_size))
     pieces = list(context_ids[0].split(chunk_size))
     draft_prompt = torch.cat([*(pieces[i] for i in keep), question_ids[0]])[None]
     prompt = torch.cat([context_ids, question_ids], 1)
@@ -123,9 +126,11 @@ def _drop(cache: DynamicCache, n: int) -> None:
         cache.crop(-n)
 
 
-def _check(model, context_ids, question_ids, chunk_size, draft_tokens, gamma, max_new_tokens, do_sample, temperature,
-           top_p) -> None:
-    for name, ids in (("context_ids", context_ids), ("question_ids", question_ids)):
+def _check(model, context_ids, question_ids, query_ids, chunk_size, draft_tokens, gamma, max_new_tokens, do_sample,
+           temperature, top_p) -> None:
+    for name, ids in (("context_ids", context_ids), ("question_ids", question_ids), ("query_ids", query_ids)):
+        if ids is None and name == "query_ids":
+            continue
         if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[0] != 1 or ids.shape[1] < 1:
             shape = tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__
             raise ValueError(f"{name}: {shape}; allowed values: a tensor of token ids [1, n], n >= 1 (one row at a "
