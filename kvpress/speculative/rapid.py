@@ -38,7 +38,7 @@ def bm25_chunks(context: torch.Tensor, question: torch.Tensor, chunk_size: int, 
     counts = torch.stack([(c[:, None] == terms).sum(0) for c in chunks]).double()  # [n, terms]
     holding = (counts > 0).sum(0)
     idf = torch.log((len(chunks) - holding + 0.5) / (holding + 0.5) + 1)
-    lengths = torch.tensor([len(c) for c in chunks], dtype=torch.float64)[:, None]
+    lengths = torch.tensor([len(c) for c in chunks], dtype=torch.float64, device=context.device)[:, None]
     score = (idf * counts * (k1 + 1) / (counts + k1 * (1 - b + b * lengths / average))).sum(-1)
     order = sorted(range(len(chunks)), key=lambda i: (-float(score[i]), i))
     return sorted(order[:n_chunks])
@@ -53,8 +53,8 @@ def rapid_generate(model, context_ids: torch.Tensor, question_ids: torch.Tensor,
     the target sees it), drafting from the `draft_tokens` context tokens BM25 finds for the question (default: a
     tenth of the context, at least one chunk). query_ids [1, n]: what retrieval scores the chunks against (default:
     question_ids; give the question's own words when question_ids carries a chat template's tokens, which would
-    otherwise pull in the chunk holding the template's start). Returns ids [1, L + Lq + new] like `generate` (and SpeculativeStats with
-    return_stats=True). The model must be unpatched: both caches are transformers' own."""
+    otherwise pull in the chunk holding the template's start). Returns ids [1, L + Lq + new] like `generate` (and
+    SpeculativeStats with return_stats=True). The model must be unpatched: both caches are transformers' own."""
     _check(model, context_ids, question_ids, query_ids, chunk_size, draft_tokens, gamma, max_new_tokens, do_sample,
            temperature, top_p)
     length = context_ids.shape[1]
@@ -84,14 +84,16 @@ def rapid_generate(model, context_ids: torch.Tensor, question_ids: torch.Tensor,
         t_draft = clock(prompt.device)
         drafts, q_probs, feed = [], [], unseen
         for _ in range(g):
-            d, q = pick(model(**with_cache(model, draft, input_ids=torch.tensor([feed]))).logits[:, -1])
+            ids = torch.tensor([feed], device=prompt.device)
+            d, q = pick(model(**with_cache(model, draft, input_ids=ids)).logits[:, -1])
             drafts.append(int(d))
             q_probs.append(q)
             feed = [int(d)]
         t_verify = clock(prompt.device)
         stats.draft_s += t_verify - t_draft
-        d = torch.tensor([drafts], dtype=torch.long)
-        logits = model(**with_cache(model, target, input_ids=torch.tensor([[out[-1], *drafts]]))).logits  # [1, g+1, V]
+        d = torch.tensor([drafts], dtype=torch.long, device=prompt.device)
+        ids = torch.cat([prompt.new_tensor([[out[-1]]]), d], 1)
+        logits = model(**with_cache(model, target, input_ids=ids)).logits  # [1, g + 1, V]
         if do_sample:
             q = torch.stack(q_probs, 1) if g else logits.new_zeros(1, 0, logits.shape[-1])
             n, nxt = accept(sampling_distribution(logits, temperature, top_p), q, d, generator)
@@ -113,7 +115,7 @@ def rapid_generate(model, context_ids: torch.Tensor, question_ids: torch.Tensor,
         stats.drafted += g
         stats.accepted += k
         stats.per_round_accepted.append([k])
-    new = torch.tensor([out[:max_new_tokens]], dtype=torch.long)
+    new = prompt.new_tensor([out[:max_new_tokens]])
     stats.emitted = new.shape[1]
     stats.total_s = clock(prompt.device) - start
     result = torch.cat([prompt, new], 1)
@@ -138,7 +140,8 @@ def _check(model, context_ids, question_ids, query_ids, chunk_size, draft_tokens
     for name, value in (("chunk_size", chunk_size), ("gamma", gamma), ("max_new_tokens", max_new_tokens)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name}={value!r}; allowed values: an int >= 1")
-    if draft_tokens is not None and (not isinstance(draft_tokens, int) or not 1 <= draft_tokens <= context_ids.shape[1]):
+    whole = context_ids.shape[1]
+    if draft_tokens is not None and (not isinstance(draft_tokens, int) or not 1 <= draft_tokens <= whole):
         raise ValueError(f"draft_tokens={draft_tokens!r}; allowed values: None (a tenth of the context) or an int in "
                          f"1..{context_ids.shape[1]} (the context's length)")
     if do_sample and not temperature > 0:
