@@ -22,6 +22,7 @@ with it; the policy refuses that first).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 from dataclasses import dataclass
@@ -172,16 +173,15 @@ class ShadowKeys:
 
     cat = flatten = gather
 
+    def _with_memory(self, fn, **changes) -> "ShadowKeys":
+        """A copy with `fn` applied to every memory-tier tensor."""
+        return dataclasses.replace(self, **{name: fn(getattr(self, name)) for name in MEMORY_TIER}, **changes)
+
     def map_rows(self, fn) -> "ShadowKeys":
-        return ShadowKeys(fn(self.coeffs), fn(self.basis), fn(self.rope), fn(self.landmarks),
-                          fn(self.landmark_start), fn(self.landmark_ok), fn(self.exact_slots), fn(self.exact_ok),
-                          fn(self.exact_keys), fn(self.exact_values), self.tier.put(fn(self.values)),
-                          self.chunk_size, self.select, self.rotary, self.tier)
+        return self._with_memory(fn, values=self.tier.put(fn(self.values)))
 
     def to(self, device) -> "ShadowKeys":
-        move = lambda t: t.to(device)  # noqa: E731  (the file tier stays where it is)
-        return ShadowKeys(*(move(t) for t in self.tensors()), self.values, self.chunk_size, self.select,
-                          self.rotary, self.tier)
+        return self._with_memory(lambda t: t.to(device))  # the file tier stays where it is
 
     def detach(self) -> "ShadowKeys":
         return self  # never written in place
@@ -204,14 +204,18 @@ class ShadowKeys:
 
     def tensors(self) -> list[torch.Tensor]:
         """The primary tier (the values' file is `offloaded_nbytes`)."""
-        return [self.coeffs, self.basis, self.rope, self.landmarks, self.landmark_start, self.landmark_ok,
-                self.exact_slots, self.exact_ok, self.exact_keys, self.exact_values]
+        return [getattr(self, name) for name in MEMORY_TIER]
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
     def offloaded_nbytes(self) -> int:
         return self.values.numel() * self.values.element_size()
+
+
+# the fields of ShadowKeys held in memory (all its tensors but the values)
+MEMORY_TIER = ("coeffs", "basis", "rope", "landmarks", "landmark_start", "landmark_ok", "exact_slots", "exact_ok",
+               "exact_keys", "exact_values")
 
 
 def store(layer, payload: ShadowKeys) -> None:
