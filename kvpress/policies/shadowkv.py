@@ -62,13 +62,14 @@ class _Chunking:
     def select_chunks(self) -> int:
         return max(1, self.budget // self.chunk_size)
 
-    def plan(self, keys: torch.Tensor, valid: torch.Tensor) -> dict:
-        """The chunk plan of a layer's prompt, keys [B, Hkv, W, D] post-RoPE and valid [B, W] (fillers lead a padded
-        row): per row, from its first real slot, `landmarks` [B, Hkv, N, D] with `starts` (each chunk's first slot)
+    def plan(self, layer) -> dict:
+        """The chunk plan of a rectangular layer's slots (post-RoPE keys; fillers lead a padded row, the same in every
+        head): per row, from its first real slot, `landmarks` [B, Hkv, N, D] with `starts` (each chunk's first slot)
         and `landmark_ok`, and the `exact` slots [B, Hkv, E] (outlier and local chunks, the unaligned end) with
-        `exact_ok`; `lead` [B] each row's fillers."""
-        lead = (~valid).long().cumprod(-1).sum(-1)
-        rows = [self._row_plan(keys[b, :, int(lead[b]):].float(), int(lead[b])) for b in range(keys.shape[0])]
+        `exact_ok`; `lead` each row's fillers (a list)."""
+        keys, fillers = layer.keys_view(), layer.leading_fillers()
+        lead = [0] * keys.shape[0] if fillers is None else fillers[:, 0].tolist()
+        rows = [self._row_plan(keys[b, :, lead[b]:].float(), lead[b]) for b in range(keys.shape[0])]
         landmarks, landmark_ok = _stacked([r[0] for r in rows], 0.0)
         starts, _ = _stacked([r[1] for r in rows], 0)
         exact, exact_ok = _stacked([r[2] for r in rows], 0)
@@ -136,13 +137,13 @@ class ShadowKV(_Chunking, StorageTier):
         layer = ctx.layer
         keys, values = layer.tail.data.keys, layer.tail.data.values  # the whole prompt: one rectangle
         batch, heads, width, dim = keys.shape
-        plan = self.plan(keys, layer.key_valid()[:, 0])
+        plan = self.plan(layer)
         rope = ctx.query_rope_positions()
         if rope.shape[1] != width:  # a Context of a prompt's last query rows (a serving engine's): slot j at j
             rope = torch.arange(width, device=keys.device).expand(batch, width)
         rank = self.rank_for(heads, dim)
         coeffs, basis = keys.new_zeros(batch, 1, width, rank), keys.new_zeros(batch, heads, rank, dim)
-        for b, lead in enumerate(plan["lead"].tolist()):  # each row's own factorisation, of its real tokens
+        for b, lead in enumerate(plan["lead"]):  # each row's own factorisation, of its real tokens
             u, sv = self._factors(keys[b, :, lead:], rope[b, lead:], ctx.rotary, rank)
             coeffs[b, 0, lead:, :u.shape[1]], basis[b, :, :u.shape[1]] = u, sv
         take = plan["exact"][..., None].expand(-1, -1, -1, dim)
@@ -177,8 +178,7 @@ class ShadowKVView(_Chunking, ReadPolicy):
         key = ("shadowkv", self.chunk_size, self.local_chunks, self.outlier_chunks)
         plan = layer.derived.get(key)
         if plan is None or plan.stale:
-            plan = layer.derived[key] = _ViewPlan(self.plan(layer.keys_view(), layer.key_valid()[:, 0]),
-                                                  layer.view_width)
+            plan = layer.derived[key] = _ViewPlan(self.plan(layer), layer.view_width)
         query = ctx.query.view(*layer.batch_heads, ctx.group_size, *ctx.query.shape[2:]).float()
         slots, ok = chosen_chunks(query, ctx.scaling, plan.plan["landmarks"], plan.plan["landmark_ok"],
                                   plan.plan["starts"], self.select_chunks, self.chunk_size)
