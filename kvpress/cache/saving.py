@@ -30,11 +30,10 @@ def to_tensors(cache: KVPressCache) -> tuple[dict[str, torch.Tensor], dict]:
     """(named tensors, metadata) of every layer. Shared or strided tensors are stored as contiguous copies."""
     if cache.forward_state.observers:
         raise ValueError("cache: a forward is running on it (observation tokens held); save it after the forward")
-    kinds = {type(s.data).__name__ for _, layer in cache.kvpress_layers() if layer.is_initialized
-             for s in layer.segments} - \
-        {cls.__name__ for cls in _PAYLOAD_NAMES}
-    if kinds:  # (ShadowKV's file tier and rotary are not tensors a safetensors file holds)
-        raise ValueError(f"cache: its layers hold {sorted(kinds)} storage, which is not saved; allowed: a cache of "
+    kinds = {type(s.data) for _, layer in cache.kvpress_layers() if layer.is_initialized for s in layer.segments}
+    if kinds - set(_PAYLOAD_NAMES):  # (ShadowKV's file tier and rotary are not tensors a safetensors file holds)
+        names = sorted(k.__name__ for k in kinds - set(_PAYLOAD_NAMES))
+        raise ValueError(f"cache: its layers hold {names} storage, which is not saved; allowed: a cache of "
                          f"{sorted(PAYLOADS)} storage")
     tensors: dict[str, torch.Tensor] = {}
 
