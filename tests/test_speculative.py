@@ -203,7 +203,7 @@ def test_acceptance_rule_reproduces_the_target_distribution(case):
         q[:3] = 0
     p, q = p / p.sum(), q / q.sum()
     if case == "top_p":
-        from kvpress.speculative.generate import sampling_distribution
+        from kvpress.speculative.sampling import sampling_distribution
 
         p = sampling_distribution(torch.log(p), 1.0, 0.7)
         q = sampling_distribution(torch.log(q), 1.0, 0.7)

@@ -25,7 +25,8 @@ from transformers import DynamicCache
 
 from ..integrations.hf import with_cache
 from ..integrations.registry import patch_of
-from .generate import SpeculativeStats, accept, clock, sampling_distribution
+from .generate import SpeculativeStats, clock
+from .sampling import accept, check_sampling, pick_token, sampling_distribution
 
 
 def bm25_chunks(context: torch.Tensor, question: torch.Tensor, chunk_size: int, n_chunks: int,
@@ -68,10 +69,7 @@ def rapid_generate(model, context_ids: torch.Tensor, question_ids: torch.Tensor,
     eos = set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
 
     def pick(logits):
-        if not do_sample:
-            return logits.argmax(-1), None
-        probs = sampling_distribution(logits, temperature, top_p)
-        return torch.multinomial(probs, 1, generator=generator).squeeze(-1), probs
+        return pick_token(logits, do_sample, temperature, top_p, generator)
 
     stats, start = SpeculativeStats(), clock(prompt.device)
     target, draft = DynamicCache(config=model.config), DynamicCache(config=model.config)
@@ -144,10 +142,7 @@ def _check(model, context_ids, question_ids, query_ids, chunk_size, draft_tokens
     if draft_tokens is not None and (not isinstance(draft_tokens, int) or not 1 <= draft_tokens <= whole):
         raise ValueError(f"draft_tokens={draft_tokens!r}; allowed values: None (a tenth of the context) or an int in "
                          f"1..{context_ids.shape[1]} (the context's length)")
-    if do_sample and not temperature > 0:
-        raise ValueError(f"temperature={temperature!r}; allowed values: a float > 0")
-    if not 0 < top_p <= 1:
-        raise ValueError(f"top_p={top_p!r}; allowed values: a float in (0, 1]")
+    check_sampling(do_sample, temperature, top_p)
     if patch_of(model) is not None:
         raise ValueError("model: patched by kvpress; rapid_generate runs the draft and the target on transformers' own "
                          "caches; allowed: an unpatched model (patch.unpatch() first)")
