@@ -12,7 +12,8 @@ KVzip+ with target='kvzip_plus'.
 The same replay also ranks heads (DuoAttention, arXiv 2410.10819, by measurement instead of optimisation): for a
 sample of replay queries, the relative change of each KV head's attention output when it may read only the first
 `sink` tokens and the `window` newest ones. Reconstructing the context needs the heads that look far back; heads
-whose output barely changes are streaming heads.
+whose output barely changes are streaming heads. The same texts give Double Sparsity's label channels (channels.py)
+and CommVQ's codebooks (codebooks.py).
 
 The file itself (format, identity check, prediction) is kvpress/formats/calibration.py.
 """
@@ -34,6 +35,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from . import arguments
 from .cache import KVPressCache
 from .channels import label_channels
+from .codebooks import fit_codebooks
 from .formats.calibration import FILE_NAME, Calibration, model_identity  # noqa: F401 (this module's public names)
 from .integrations import patch_model
 from .integrations.hf import with_cache
@@ -248,11 +250,12 @@ def _metrics(calibration: Calibration, records, n_sink: int, keep: float = 0.25)
 def calibrate(model, tokenizer, kind: str = "linear", target: str = "kvzip", n_texts: int = 16,
               n_tokens: int = 2048, held_out: int = 4, tokens_per_text: int | None = None, mlp_hidden: int = 32,
               mlp_steps: int = 600, ridge: float = 1e-3, n_sink: int = 4, head_window: int = 256, seed: int = 0,
-              log=print) -> Calibration:
+              codebook_stages: int | None = None, log=print) -> Calibration:
     """Run KVzip over `n_texts` local texts of about `n_tokens` tokens, fit the predictor on all but the last
     `held_out` texts and report its agreement with KVzip on those. `tokens_per_text`: tokens of each text the fit
     samples (None: every token after the sinks; on SmolLM2 that fits better than 768 sampled ones: Spearman 0.768
-    vs 0.757 held out; kvzap at ratio 0.75 on the query-agnostic suite, 120 samples: 54.4 vs 51.7)."""
+    vs 0.757 held out; kvzap at ratio 0.75 on the query-agnostic suite, 120 samples: 54.4 vs 51.7). CommVQ's
+    codebooks are fitted on the same texts, `codebook_stages` stages (None: CODEBOOK_STAGES)."""
     if kind not in ("linear", "mlp"):
         raise ValueError(f"kind={kind!r}; allowed values: 'linear', 'mlp'")
     if target not in ("kvzip", "kvzip_plus"):
@@ -269,9 +272,19 @@ def calibrate(model, tokenizer, kind: str = "linear", target: str = "kvzip", n_t
     calibration = fit(records, model_identity(model), kind, held_out, tokens_per_text, mlp_hidden, mlp_steps, ridge,
                       n_sink, seed, settings)
     calibration.channels = label_channels(model, texts, calibration.layers)  # Double Sparsity's, from the same texts
+    add_codebooks(calibration, model, texts, CODEBOOK_STAGES if codebook_stages is None else codebook_stages, log)
     calibration.metrics["seconds"] = round(time.perf_counter() - start, 1)
     log(f"held-out agreement with KVzip: {calibration.metrics}")
     return calibration
+
+
+def add_codebooks(calibration: Calibration, model, texts: list, stages: int, log=print) -> None:
+    """Fit CommVQ's codebooks (kvpress/codebooks.py) on `texts` and put them in `calibration`."""
+    fitted = fit_codebooks(model, texts, calibration.layers, stages, log=log)
+    calibration.codebooks = {kind: fitted[kind] for kind in ("keys", "values")}
+    calibration.settings["codebooks"] = dict(texts=len(texts), tokens=max(len(t) for t in texts), stages=stages)
+    calibration.metrics["codebook_errors"] = {kind: round(float(fitted[f"{kind}_errors"].mean()), 5)
+                                              for kind in ("key", "value")}
 
 
 def fit(records: list, identity: dict, kind: str = "linear", held_out: int = 1, tokens_per_text: int | None = None,
@@ -294,6 +307,7 @@ def fit(records: list, identity: dict, kind: str = "linear", held_out: int = 1, 
     return calibration
 
 
+CODEBOOK_STAGES = 9  # CommVQ: 9 stages of 12 bits per 64-channel group, with a head's fp16 norm about 12% of 16-bit KV
 HELD_OUT = 4  # texts `kvpress calibrate` keeps apart to measure the fit (calibrate's held_out)
 MIN_TOKENS = 64  # shorter texts leave a layer too few tokens after the sinks to fit a predictor
 
@@ -314,6 +328,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--channels-only", action="store_true",
                         help="add Double Sparsity's label channels to the existing file at --out (its KVzap predictor "
                              "and head errors stay as they are); a forward per text, seconds")
+    parser.add_argument("--codebooks-only", action="store_true",
+                        help="add CommVQ's codebooks (keys and values) to the existing file at --out (the rest stays "
+                             "as it is); minutes per layer on a CPU")
+    parser.add_argument("--codebook-stages", type=int, default=CODEBOOK_STAGES,
+                        help=f"residual stages of the codebooks (default {CODEBOOK_STAGES}: the most commvq may use)")
     return parser
 
 
@@ -325,25 +344,31 @@ def main(argv=None) -> None:
         arguments.at_least("--texts", args.texts, HELD_OUT + 1, f" ({HELD_OUT} texts are held out to measure the fit)")
         arguments.at_least("--tokens", args.tokens, MIN_TOKENS, " (tokens per text)")
         out = arguments.writable_file("--out", Path(args.out) if args.out else source / FILE_NAME)
-        if args.channels_only and not out.is_file():
-            raise ValueError(f"--out {out}: --channels-only adds label channels to an existing calibration file, and "
-                             f"there is none; allowed: a file `kvpress calibrate` made (without --channels-only)")
+        arguments.at_least("--codebook-stages", args.codebook_stages, 1, " (residual stages)")
+        for flag in ("channels_only", "codebooks_only"):
+            if getattr(args, flag) and not out.is_file():
+                option = "--" + flag.replace("_", "-")
+                raise ValueError(f"--out {out}: {option} adds to an existing calibration file, and there is none; "
+                                 f"allowed: a file `kvpress calibrate` made (without {option})")
     except ValueError as e:
         parser.exit(2, f"kvpress calibrate: error: {e}\n")
     torch.set_grad_enabled(False)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, args.dtype)).eval()
     tokenizer = AutoTokenizer.from_pretrained(source)
-    if args.channels_only:
+    if args.channels_only or args.codebooks_only:
         calibration = Calibration.load(out)
         if calibration.identity != model_identity(model):
             parser.exit(2, f"kvpress calibrate: error: --out {out} was made for another model; allowed: this model's "
                            f"calibration file\n")
+    if args.codebooks_only:
+        add_codebooks(calibration, model, calibration_texts(tokenizer, args.texts, args.tokens), args.codebook_stages)
+    elif args.channels_only:
         calibration.channels = label_channels(model, calibration_texts(tokenizer, args.texts, args.tokens),
                                               calibration.layers)
         calibration.settings["channels"] = dict(mode="qk", texts=args.texts, tokens=args.tokens)
     else:
         calibration = calibrate(model, tokenizer, kind=args.kind, target=args.target, n_texts=args.texts,
-                                n_tokens=args.tokens, held_out=HELD_OUT)
+                                n_tokens=args.tokens, held_out=HELD_OUT, codebook_stages=args.codebook_stages)
     calibration.save(out)
     print(f"wrote {out} ({out.stat().st_size / 1024:.0f} KiB)")
 

@@ -36,6 +36,7 @@ PARAMS = {
     "kivi": dict(bits=2, group_size=16, residual_length=16),
     "gear": dict(bits=2, group_size=16, residual_length=16),
     "zipcache": dict(group_size=16, residual_length=16),
+    "commvq": dict(stages=2, block_size=16, residual_length=16, calibration=None),
     "quest": dict(budget=24, page_size=8),
     "retrieval": dict(budget=24),
     "sink_window": dict(budget=24),
@@ -53,6 +54,7 @@ COMPOSED = {
     "kvzip+gear": dict(compression_ratio=0.6, chunk_size=16, tokenizer=TOK, bits=2, group_size=16,
                        residual_length=16),
     "snapkv+zipcache": dict(compression_ratio=0.6, window_size=8, group_size=16, residual_length=16),
+    "kvzap+commvq": dict(compression_ratio=0.6, stages=2, block_size=16, residual_length=16, calibration=None),
 }
 
 
@@ -115,7 +117,7 @@ def test_slack_cuts_each_row_on_its_own_schedule():
     _assert_rows_as_alone("h2o", dict(budget=80, slack=3))
 
 
-CHUNKABLE = sorted(set(PARAMS) - {"laq", "kivi", "gear", "zipcache", "quest", "retrieval", "sink_window", "topk", "token_select", "recycled_attention", "hip", "tidal_decode", "lserve", "double_sparsity", "shadowkv"})
+CHUNKABLE = sorted(set(PARAMS) - {"laq", "kivi", "gear", "zipcache", "commvq", "quest", "retrieval", "sink_window", "topk", "token_select", "recycled_attention", "hip", "tidal_decode", "lserve", "double_sparsity", "shadowkv"})
 
 
 @pytest.mark.parametrize("name", CHUNKABLE)

@@ -435,7 +435,7 @@ def test_kv_bytes_of_kivi2_match_the_theory():
     layer = KVPressLayer()
     layer.update(torch.randn(B, H, T, D, dtype=torch.float16), torch.randn(B, H, T, D, dtype=torch.float16))
     full = layer.kv_nbytes()
-    KIVI(bits=2, group_size=G, residual_length=R).store(layer)
+    KIVI(bits=2, group_size=G, residual_length=R).store(layer, 0)
     n_q = ((T - R) // G) * G
     theory = 2 * n_q * D * 2 // 8 + 2 * (n_q // G) * D * 2 + 2 * n_q * (D // G) * 2 + (T - n_q) * D * 2 * 2
     assert abs(layer.kv_nbytes() - theory * H) <= 0.05 * theory * H

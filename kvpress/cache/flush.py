@@ -19,8 +19,9 @@ from .view import flat_full_precision
 
 
 def flush_low_bit(layer, residual: int, group: int, encode, partition=None) -> None:
-    """Move the oldest full-precision slots into low-bit codes via `encode(keys, values, valid)` (rectangular
-    [B, Hkv, n, D], n a multiple of `group`), keeping at least `residual` newest slots in full precision
+    """Move the oldest full-precision slots into low-bit codes via `encode(keys, values, valid, positions)`
+    (rectangular [B, Hkv, n, D], n a multiple of `group`; positions [B, Hkv, n]: the slots' original positions, for a
+    codec that stores keys before RoPE), keeping at least `residual` newest slots in full precision
     (per head in a flat layer). Returns nothing; the low-bit segment grows.
 
     Mixed widths (ZipCache): `partition(keys, values, valid, positions)` splits the n moved slots into shares,
@@ -43,11 +44,11 @@ def flush_low_bit(layer, residual: int, group: int, encode, partition=None) -> N
     batch, heads = layer.batch_heads
     valid = tail.view_valid(batch, heads, layer.device)
     # a mixed-width flush gives every moved slot an explicit position (its shares are not runs of the view)
-    positions = (tail.positions if partition is None
-                 else tail.view_positions(layer.tail_start(), batch, heads, layer.device))
+    at = tail.view_positions(layer.tail_start(), batch, heads, layer.device)
+    positions = tail.positions if partition is None else at
     # (slices are cloned: a view would keep the tail's whole tensor alive, and nbytes() would under-report it)
     moved = _encoded(encode, partition, tail.data.keys[:, :, :n], tail.data.values[:, :, :n], valid[..., :n],
-                     None if positions is None else positions[..., :n].clone(),
+                     at[..., :n], None if positions is None else positions[..., :n].clone(),
                      None if tail.valid is None else tail.valid[..., :n].clone(),
                      {name: s[..., :n].clone() for name, s in tail.state.items()})
     rest = Segment(FullPrecision(tail.data.keys[:, :, n:].clone(), tail.data.values[:, :, n:].clone()),
@@ -60,15 +61,17 @@ def flush_low_bit(layer, residual: int, group: int, encode, partition=None) -> N
     layer.mark_changed()
 
 
-def _encoded(encode, partition, keys, values, valid, positions, stored_valid, state) -> list[Segment]:
-    """The moved slots as code segments: one (in slot order, `stored_valid` / `positions` as the tail had them)
-    or, with a partition, one per share (gathered in slot order, explicit positions, fillers invalid)."""
+def _encoded(encode, partition, keys, values, valid, at, positions, stored_valid, state) -> list[Segment]:
+    """The moved slots (at [B, Hkv, n]: their positions) as code segments: one (in slot order, `stored_valid` /
+    `positions` as the tail had them) or, with a partition, one per share (gathered in slot order, explicit
+    positions, fillers invalid)."""
     if partition is None:
-        return [Segment(encode(keys, values, valid), positions, stored_valid, state)]
-    shares = partition(keys, values, valid, positions)
+        return [Segment(encode(keys, values, valid, at), positions, stored_valid, state)]
+    shares = partition(keys, values, valid, at)
     if len(shares) != len(encode):
         raise ValueError(f"flush_low_bit: the partition gave {len(shares)} shares for {len(encode)} encoders")
-    return [Segment(enc(take_slots(keys, take), take_slots(values, take), real), positions.gather(-1, take),
+    return [Segment(enc(take_slots(keys, take), take_slots(values, take), real, at.gather(-1, take)),
+                    at.gather(-1, take),
                     None if bool(real.all()) else real, {name: s.gather(-1, take) for name, s in state.items()})
             for enc, (take, real) in zip(encode, shares)]
 
@@ -120,7 +123,7 @@ def _flush_flat(layer, residual: int, group: int, encode, partition) -> None:
     # fillers, which never stretch a group's range, then flattened without them.
     real = move[..., :width]
     moved = _encoded(encode, partition, fp.view(fp.data.keys)[:, :, :width], fp.view(fp.data.values)[:, :, :width],
-                     real, fp.view(fp.positions)[..., :width], real,
+                     real, fp.view(fp.positions)[..., :width], fp.view(fp.positions)[..., :width], real,
                      {n: fp.view(s)[..., :width] for n, s in fp.state.items()})
     codes = _joined(layer.codes, [m.to_flat(0) for m in moved], Segment.cat_runs)
     keep = ok & ~move
@@ -163,7 +166,8 @@ def _flush_right_aligned_tail(layer, counts: torch.Tensor, n_move: torch.Tensor,
     real = rank < n_move[..., None]
     positions = tail.view_positions(0, *layer.batch_heads, layer.device)
     moved = _encoded(encode, partition, take_slots(tail.data.keys, at), take_slots(tail.data.values, at), real,
-                     positions.gather(-1, at), real, {n: s.gather(-1, at) for n, s in tail.state.items()})
+                     positions.gather(-1, at), positions.gather(-1, at), real,
+                     {n: s.gather(-1, at) for n, s in tail.state.items()})
     stay = slice(total - keep_width, total)
     valid = slots[stay] >= (lead + n_move)[..., None]
     layer.segments = [*_joined(codes, [m.to_flat(0) for m in moved], Segment.cat_runs), Segment(

@@ -17,6 +17,7 @@ from ..kernels.quant_attention import flat_lowbit_attention_state, lowbit_attent
 from ..kernels.sparse_attention import GATHER_SLOTS, flat_attention_state, sparse_attention
 from .segments import CODES, DENSE, FLAT, FLAT_CODES
 from .shadow import SHADOW
+from .vq import VQ
 from .view import view_part
 
 MASK_ROWS = 256  # query rows per block when dense attention needs a mask built from stored positions
@@ -67,6 +68,17 @@ def _shadow_state(layer, segment, offset, queries, state, precision, use_triton,
                                         segment.valid, state)
 
 
+def _vq_state(layer, segment, offset, queries, state, precision, use_triton, tail):
+    """CommVQ codes, decoded into a transient fp32 copy and read as full-precision slots."""
+    keys, values = segment.data.dequantize(0, segment.data.num_slots)
+    if segment.flat:
+        return flat_attention_state(queries, keys[0, 0], values[0, 0], segment.positions[0, 0], segment.starts(),
+                                    segment.lengths, state, use_triton, None)
+    batch, heads = layer.batch_heads
+    return dense_attention_state(queries, keys, values, segment.view_positions(offset, batch, heads, layer.device),
+                                 segment.valid, state)
+
+
 # key logits: (layer, index of the segment, segment, scaled queries [B, Hkv, g, r, D], slots n, block, fp32_keys)
 # -> logits parts [B, Hkv, g, r, n'] in slot order
 def _logits_of_view(layer, i, segment, q, n, block, fp32_keys):
@@ -100,6 +112,7 @@ READERS = {
     CODES: SegmentReader(_codes_state, reads_tail=True, key_logits=_logits_in_blocks),  # KIVI's layout
     FLAT_CODES: SegmentReader(_flat_codes_state, reads_tail=False, key_logits=_logits_of_view),
     SHADOW: SegmentReader(_shadow_state, reads_tail=False, key_logits=_logits_of_view),  # ShadowKV's two tiers
+    VQ: SegmentReader(_vq_state, reads_tail=False, key_logits=_logits_of_view),  # CommVQ's codes
 }
 
 

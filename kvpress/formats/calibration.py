@@ -62,6 +62,9 @@ class Calibration:
     # [L, Hq, D] Double Sparsity's label channels: each query head's channels, most important first (None: not
     # calibrated; `kvpress calibrate --channels-only` adds them to a file)
     channels: torch.Tensor | None = None
+    # CommVQ's tables {"keys", "values"}: [L, Hkv, G, S, P, 64] complex per layer, KV head, group, stage and pair (None:
+    # not calibrated; `kvpress calibrate --codebooks-only` adds them to a file; formats/commvq.py reads them)
+    codebooks: dict | None = None
     # per-layer predictor weights per device, moved there on first use (not at every decode step)
     _placed: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -99,6 +102,8 @@ class Calibration:
         tensors["head_error"] = self.head_error.contiguous().float()
         if self.channels is not None:
             tensors["label_channels"] = self.channels.contiguous().long()
+        for kind, tables in (self.codebooks or {}).items():  # fp16 (the tables' size is what a user downloads)
+            tensors[f"codebook_{kind}"] = torch.view_as_real(tables.contiguous()).half()
         meta = dict(format=FORMAT, kind=self.kind, layers=self.layers, identity=self.identity,
                     settings=self.settings, metrics=self.metrics)
         Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -115,8 +120,10 @@ class Calibration:
                                  f"with `kvpress calibrate --model <model> --out {path}`")
             tensors = {name: f.get_tensor(name) for name in f.keys()}
         head_error, channels = tensors.pop("head_error"), tensors.pop("label_channels", None)
+        codebooks = {kind: torch.view_as_complex(tensors.pop(f"codebook_{kind}").float().contiguous())
+                     for kind in ("keys", "values") if f"codebook_{kind}" in tensors}
         return cls(meta["layers"], meta["kind"], tensors, head_error, meta["identity"], meta.get("settings", {}),
-                   meta.get("metrics", {}), channels)
+                   meta.get("metrics", {}), channels, codebooks or None)
 
     @classmethod
     def for_model(cls, model, path=None) -> "Calibration":

@@ -20,6 +20,7 @@ from .duo_attention import DuoAttention
 from .kivi import KIVI
 from .gear import GEAR
 from .zipcache import ZipCache
+from .commvq import CommVQ
 from .compose import Composed
 from .sparse import Quant4View, Quest, ReadPolicy, Retrieval, SinkWindow, TopK
 from .token_select import TokenSelect
@@ -35,5 +36,5 @@ __all__ = [
     "Codec", "ReadView", "DecodeEviction", "StorageTier",
     "register", "list_policies", "get_policy_class", "resolve_policy",
     "NoCompression", "Knorm", "RandomPolicy", "TOVA", "SnapKV", "H2O", "Keyformer", "StreamingLLM", "KVzip", "LookaheadQCache", "ExpectedAttention", "KeyDiff", "KVzap", "DuoAttention",
-    "KIVI", "GEAR", "ZipCache", "Composed", "ReadPolicy", "Quest", "Retrieval", "TopK", "SinkWindow", "TokenSelect", "RecycledAttention", "HiP", "TidalDecode", "LServe", "DoubleSparsity", "ShadowKV", "ShadowKVView", "Quant4View",
+    "KIVI", "GEAR", "ZipCache", "CommVQ", "Composed", "ReadPolicy", "Quest", "Retrieval", "TopK", "SinkWindow", "TokenSelect", "RecycledAttention", "HiP", "TidalDecode", "LServe", "DoubleSparsity", "ShadowKV", "ShadowKVView", "Quant4View",
 ]

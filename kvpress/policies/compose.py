@@ -69,8 +69,8 @@ class Composed(Policy):
     def after_prefill(self, run: ModelPass) -> None:
         self.evictor.after_prefill(run)
         if self.evictor.needs().model_pass:
-            for _, layer in run.layers():
-                self.codec.store(layer)
+            for layer_idx, layer in run.layers():
+                self.codec.store(layer, layer_idx)
 
     def on_decode(self, ctx: Context) -> None:
         self.evictor.on_decode(ctx)

@@ -35,6 +35,6 @@ class GEAR(KIVI):
         if self.power_iters < 1:
             raise ValueError(f"gear: power_iters={self.power_iters!r}; allowed values: an int >= 1")
 
-    def encode(self, keys, values, valid):
+    def encode(self, keys, values, valid, positions):  # (positions: unused, keys are stored post-RoPE)
         return encode_gear(keys, values, valid, self.bits, self.group_size, self.rank, self.outlier_ratio,
                            self.power_iters)

@@ -40,21 +40,21 @@ class KIVI(Codec):
     def appends_before_change(self, layer) -> int:
         return appends_before_flush(layer, self.residual_length, self.group_size)
 
-    def encode(self, keys, values, valid):
+    def encode(self, keys, values, valid, positions):  # (positions: unused, keys are stored post-RoPE)
         return encode_kivi(keys, values, valid, self.bits, self.group_size)
 
-    def store(self, layer) -> None:
+    def store(self, layer, layer_idx: int) -> None:
         """Move what the residual window no longer covers into low-bit codes."""
         layer.flush_low_bit(self.residual_length, self.group_size, self.encode)
 
     def on_prefill(self, ctx: Context) -> None:
-        self.store(ctx.layer)
+        self.store(ctx.layer, ctx.layer_idx)
 
     def on_decode(self, ctx: Context) -> None:
-        self.store(ctx.layer)
+        self.store(ctx.layer, ctx.layer_idx)
 
     def on_extend(self, ctx: Context) -> None:
-        self.store(ctx.layer)  # only tokens older than the residual window are ever quantized
+        self.store(ctx.layer, ctx.layer_idx)  # only tokens older than the residual window are ever quantized
 
 
 def check_layout(name: str, head_dim: int, group_size: int, bits: int) -> None:

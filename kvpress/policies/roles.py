@@ -29,9 +29,9 @@ from .protocol import Policy
 class Codec(Policy):
     """A storage codec: keeps every token, and moves old ones into low-bit codes."""
 
-    def store(self, layer) -> None:
-        """Move what the codec's full-precision window no longer covers in `layer` into low-bit codes (what a
-        composition calls on the layers its evictor has cut)."""
+    def store(self, layer, layer_idx: int) -> None:
+        """Move what the codec's full-precision window no longer covers in `layer` (the model's attention layer
+        `layer_idx`) into low-bit codes (what a composition calls on the layers its evictor has cut)."""
         raise NotImplementedError
 
     @property

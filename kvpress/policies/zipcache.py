@@ -96,9 +96,9 @@ class ZipCache(Codec):
             ctx.layer.policy_stats[_SALIENCY] = _by_position(ctx.layer, self.probe_saliency(ctx))
 
     def on_prefill(self, ctx: Context) -> None:
-        self.store(ctx.layer)
+        self.store(ctx.layer, ctx.layer_idx)
 
-    def store(self, layer) -> None:
+    def store(self, layer, layer_idx: int) -> None:
         """Flush what the residual window no longer covers, split by the prompt's saliency (dropped after it)."""
         if _SALIENCY not in layer.policy_stats:
             raise RuntimeError(f"{self.name}: store() before the prompt's saliency was observed")
@@ -158,7 +158,7 @@ class ZipCache(Codec):
         def partition(keys, values, real, moved_positions):
             return self.shares(by_position.gather(-1, moved_positions.long()), real)
 
-        encoders = [lambda k, v, ok, b=bits: encode_kivi(k, v, ok, b, self.group_size)
+        encoders = [lambda k, v, ok, at, b=bits: encode_kivi(k, v, ok, b, self.group_size)
                     for bits in (self.high_bits, self.low_bits)]
         layer.flush_low_bit(self.residual_length, self.group_size, encoders, partition)
 

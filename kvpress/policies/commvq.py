@@ -1,0 +1,91 @@
+"""CommVQ (Li et al., ICML 2025, arXiv 2506.18879; commvq/compress_evaluation.py, training/quantize_key_cache.py):
+keys and values as additive vector-quantization codes, 12 bits per stage per group of 64 RoPE pairs.
+
+Each slot's key is coded before RoPE (un-rotated at the position the model rotated it at), divided by its norm, and
+approximated by `stages` codewords per group chosen greedily, each a sum t_a + i t_b from one table of 64 complex
+entries per pair (formats/commvq.py). The codewords commute with RoPE, so the decoded key is rotated exactly as the
+model rotated the original. Values are coded the same way, without RoPE. With SmolLM2's heads (64 channels, one
+group) 9 stages and an fp16 norm are 124 bits per vector: 12.1% of a 16-bit cache's bytes, 6.1% of a 32-bit one.
+The newest `residual_length` tokens stay in full precision; older ones are coded `block_size` at a time.
+
+The tables come from the model's calibration file (`kvpress calibrate --model M --codebooks-only`, shipped for
+SmolLM2; kvpress/codebooks.py fits them). Composes after an eviction policy ("kvzap+commvq").
+
+Differences from the paper and its code, named:
+- Calibration only: the key tables are fitted by hard-assignment EM (the paper anneals soft assignments); the values
+  use the same commutative tables, fitted the same way, where the paper trains an encoder and decoder end to end.
+- One norm per KV head, not one per token over all heads, so that a head's slots can be evicted on their own.
+- Groups of 64 pairs at most (128 channels, the paper's); a 64-channel head is one group of 32 pairs.
+- A read decodes the codes into a transient copy (the paper's Triton kernel folds RoPE into per-codeword products,
+  for Llama-3.1-8B at 1 bit only); the bytes held are the codes, norms and positions.
+- The RoPE position of a slot is its position minus its row's left padding, as transformers' generate numbers them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from ..cache.rollback import appends_before_flush
+from ..cache.vq import VQBook, encode_commvq
+from ..formats.calibration import Calibration
+from .context import Context
+from .protocol import ModelInfo
+from .registry import register
+from .roles import Codec
+
+
+@register
+@dataclass
+class CommVQ(Codec):
+    """Additive vector-quantization storage whose key codebooks commute with RoPE (module docstring)."""
+
+    name = "commvq"
+    stages: int = 9
+    residual_length: int = 128
+    block_size: int = 128
+    calibration: str | None = None
+    books: dict = field(default=None, repr=False, compare=False)  # layer index -> VQBook (for_model)
+
+    def validate(self) -> None:
+        for name, low in (("stages", 1), ("block_size", 1), ("residual_length", 0)):
+            if getattr(self, name) < low:
+                raise ValueError(f"{self.name}: {name}={getattr(self, name)!r}; allowed values: an int >= {low}")
+
+    def for_model(self, model: ModelInfo) -> "CommVQ":
+        calibration = Calibration.for_model(model, self.calibration)
+        command = f"kvpress calibrate --model {model.folder or '<the model folder>'} --codebooks-only"
+        if calibration.codebooks is None:
+            raise ValueError(f"{self.name}: calibration={self.calibration!r} holds no codebooks; allowed values: a "
+                             f"calibration file with CommVQ's codebooks (add them with `{command}`)")
+        shipped = calibration.codebooks["keys"].shape[3]
+        if self.stages > shipped:
+            raise ValueError(f"{self.name}: stages={self.stages} but the calibration's codebooks have {shipped}; "
+                             f"allowed values: 1 to {shipped} (or more stages with `{command} --codebook-stages N`)")
+        books = {layer: VQBook(calibration.codebooks["keys"][i][:, :, :self.stages].contiguous(),
+                               calibration.codebooks["values"][i][:, :, :self.stages].contiguous(),
+                               model.rotary(layer))
+                 for i, layer in enumerate(calibration.layers)}
+        return dataclasses.replace(self, books=books)
+
+    def appends_before_change(self, layer) -> int:
+        return appends_before_flush(layer, self.residual_length, self.block_size)
+
+    def store(self, layer, layer_idx: int) -> None:
+        """Code what the residual window no longer covers, `block_size` slots at a time."""
+        book, padding = self.books[layer_idx], layer.padding
+
+        def encode(keys, values, valid, positions):
+            rope = positions if padding is None else positions - padding.view(-1, 1, 1).to(positions)
+            return encode_commvq(keys, values, valid, rope, book)
+
+        layer.flush_low_bit(self.residual_length, self.block_size, encode)
+
+    def on_prefill(self, ctx: Context) -> None:
+        self.store(ctx.layer, ctx.layer_idx)
+
+    def on_decode(self, ctx: Context) -> None:
+        self.store(ctx.layer, ctx.layer_idx)
+
+    def on_extend(self, ctx: Context) -> None:
+        self.store(ctx.layer, ctx.layer_idx)
