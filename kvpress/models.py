@@ -165,7 +165,8 @@ def prepare(name: str) -> Path:
 
 def install_calibration(name: str) -> None:
     """Put the calibration file shipped with kvpress for this model (kvpress/calibrations/<name>.safetensors, made
-    by `kvpress calibrate --model <name>`) beside its weights, where kvzap and duo_attention look by default. A file
+    by `kvpress calibrate --model <name>`) beside its weights, where the calibrated policies (kvzap, duo_attention,
+    lserve, double_sparsity, commvq) look by default. A file
     under the legacy name (a `.safetensors` suffix, which vLLM would load as weights) is renamed first."""
     shipped = Path(__file__).parent / "calibrations" / f"{name}.safetensors"
     target = model_path(name) / FILE_NAME
@@ -182,7 +183,7 @@ def install_calibration(name: str) -> None:
     elif target.read_bytes() != shipped.read_bytes():
         # an older shipped file, or one the user made with `kvpress calibrate`: never overwritten silently
         print(f"[kvpress] {name}: {target} differs from the calibration shipped with this kvpress ({shipped}); "
-              f"kvzap and duo_attention use {target}. To use the shipped one: rm {target} && make models")
+              f"the calibrated policies use {target}. To use the shipped one: rm {target} && make models")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -159,12 +159,12 @@ def test_a_decode_step_reads_the_keys_and_values_the_definition_decodes(llama_fi
         for layer_idx, layer in enumerate(reference.layers):
             for kind, tensor in (("keys", layer.keys), ("values", layer.values)):
                 for h in range(tensor.shape[1]):
-                    tables = books[kind][layer_idx, h][:, :stages]
+                    tables = books[kind][layer_idx, h][:, :stages + (kind == "values")]
                     for t in range(CODED):
                         tensor[0, h, t] = _coded(tensor[0, h, t], tables, t if kind == "keys" else None).float()
         expected = model(nxt, past_key_values=reference, use_cache=True).logits
-        with kvpress.patch_model(model, policy="commvq", calibration=str(llama_file), stages=stages,
-                                 residual_length=8, block_size=8):
+        with kvpress.patch_model(model, policy="commvq", calibration=str(llama_file), key_stages=stages,
+                                 value_stages=stages + 1, residual_length=8, block_size=8):
             cache = kvpress.KVPressCache(model.config)
             model(ids, past_key_values=cache, use_cache=True)
             layer = cache.layers[0]
@@ -173,28 +173,33 @@ def test_a_decode_step_reads_the_keys_and_values_the_definition_decodes(llama_fi
     assert torch.allclose(got, expected, atol=1e-4)
 
 
-def test_bytes_held_are_the_codes_norms_and_positions(llama_file):  # noqa: F811
-    """Per coded slot and KV head: ceil(G S / 2) * 3 bytes of codes for keys and for values, two fp16 norms and an
-    int32 RoPE position; nothing else grows with the coded slots."""
+def test_bytes_held_are_the_codes_and_norms(llama_file):  # noqa: F811
+    """Per coded slot and KV head: 3 bytes per two codes (Sk key and Sv value stages of one group), two fp16 norms;
+    consecutive RoPE positions are held as one start per row. After an eviction every slot holds its int32 RoPE
+    position."""
     model = tiny_model("llama")
     ids = torch.randint(3, 120, (1, 72), generator=torch.Generator().manual_seed(4))
-    sizes = {}
-    for stages in (1, 3):
-        with torch.no_grad(), kvpress.patch_model(model, policy="commvq", calibration=str(llama_file), stages=stages,
+    heads, layers = model.config.num_key_value_heads, model.config.num_hidden_layers
+    for key_stages, value_stages, policy, extra in ((1, 2, "commvq", {}), (3, 3, "commvq", {}),
+                                                   (2, 2, "snapkv+commvq", dict(compression_ratio=0.5))):
+        with torch.no_grad(), kvpress.patch_model(model, policy=policy, calibration=str(llama_file), **extra,
+                                                  key_stages=key_stages, value_stages=value_stages,
                                                   residual_length=8, block_size=8):
             cache = kvpress.KVPressCache(model.config)
             model(ids, past_key_values=cache, use_cache=True)
-            codes = [s.data for _, layer in cache.kvpress_layers() for s in layer.segments if s.low_bit]
-            assert all(c.num_slots == 64 for c in codes)
-            sizes[stages] = sum(c.nbytes() for c in codes)
-    heads = model.config.num_key_value_heads * model.config.num_hidden_layers
-    per_slot = {s: 2 * 3 * ((s + 1) // 2) + 2 * 2 + 4 for s in (1, 3)}  # codes (K and V), norms, position
-    assert sizes == {s: heads * 64 * per_slot[s] for s in (1, 3)}
+        codes = [s.data for _, layer in cache.kvpress_layers() for s in layer.segments if s.low_bit]
+        slots = sum(c.num_slots * c.batch_heads[1] for c in codes)
+        per_slot = 3 * ((key_stages + value_stages + 1) // 2) + 2 * 2
+        if extra:  # (snapkv keeps 36 of 72 per head: 24 coded, whole blocks of 8 behind 8 + 4 in full precision)
+            assert slots == layers * heads * 24 and sum(c.nbytes() for c in codes) == slots * (per_slot + 4)
+        else:
+            assert slots == layers * heads * 64 and sum(c.nbytes() for c in codes) == slots * per_slot + layers * 4
 
 
 def test_bad_settings_are_refused_before_the_model_changes(llama_file, tmp_path):  # noqa: F811
     model = tiny_model("llama")
-    for params, match in ((dict(stages=0), "stages=0"), (dict(stages=99), "stages=99 but the calibration"),
+    for params, match in ((dict(key_stages=0), "key_stages=0"), (dict(value_stages=0), "value_stages=0"),
+                          (dict(value_stages=99), "value_stages=99 but the calibration"),
                           (dict(block_size=0), "block_size=0"), (dict(residual_length=-1), "residual_length=-1")):
         with pytest.raises(ValueError, match=match):
             kvpress.patch_model(model, policy="commvq", calibration=str(llama_file), **params)

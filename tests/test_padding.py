@@ -36,7 +36,7 @@ PARAMS = {
     "kivi": dict(bits=2, group_size=16, residual_length=16),
     "gear": dict(bits=2, group_size=16, residual_length=16),
     "zipcache": dict(group_size=16, residual_length=16),
-    "commvq": dict(stages=2, block_size=16, residual_length=16, calibration=None),
+    "commvq": dict(key_stages=2, value_stages=3, block_size=16, residual_length=16, calibration=None),
     "quest": dict(budget=24, page_size=8),
     "retrieval": dict(budget=24),
     "sink_window": dict(budget=24),
@@ -54,7 +54,7 @@ COMPOSED = {
     "kvzip+gear": dict(compression_ratio=0.6, chunk_size=16, tokenizer=TOK, bits=2, group_size=16,
                        residual_length=16),
     "snapkv+zipcache": dict(compression_ratio=0.6, window_size=8, group_size=16, residual_length=16),
-    "kvzap+commvq": dict(compression_ratio=0.6, stages=2, block_size=16, residual_length=16, calibration=None),
+    "kvzap+commvq": dict(compression_ratio=0.6, key_stages=2, block_size=16, residual_length=16, calibration=None),
 }
 
 

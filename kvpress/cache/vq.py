@@ -1,10 +1,12 @@
 """CommVQ storage (policies/commvq.py): slots as additive vector-quantization codes, read by decoding them.
 
 Per slot and KV head the payload holds
-  k_codes, v_codes  uint8 [B, Hkv, T, 3 ceil(G S / 2) / 2]  the G groups x S stages of 12-bit codes, packed
-  k_norm, v_norm    fp16 [B, Hkv, T]   the vectors' L2 norms (the codes approximate the unit vector)
-  rope              int32 [B, Hkv, T]  the RoPE position the model rotated the key at (keys are coded before RoPE)
-  head              uint8 [1, 1, N]    in a flat store only: the KV head of each slot (its codebook)
+  codes       uint8 [B, Hkv, T, 3 ceil(n / 2) / 2]  the key's G x Sk and the value's G x Sv 12-bit codes (n in all),
+              packed two codes to three bytes
+  k_norm, v_norm  fp16 [B, Hkv, T]   the vectors' L2 norms (the codes approximate the unit vector)
+  rope        int32 [B, Hkv, T]  the RoPE position the model rotated the key at (keys are coded before RoPE); None
+              while the slots are consecutive from `rope_start` [B, 1, 1] (a row's prompt, coded in order): no bytes
+  head        uint8 [1, 1, N]    in a flat store only: the KV head of each slot (its codebook)
 The codebooks (`VQBook`: one layer's tables, from the model's calibration file) are the model's, shared by every
 request like its weights, and are not counted in `nbytes()`.
 
@@ -37,9 +39,9 @@ class VQBook:
     rotary: object  # positions.Rotary
     _weights: dict = field(default_factory=dict, repr=False, compare=False)  # (kind, head, device) -> bag weights
 
-    @property
-    def groups_stages(self) -> int:
-        return self.keys.shape[1] * self.keys.shape[2]
+    def codes_per_slot(self, kind: str) -> int:
+        tables = getattr(self, kind)
+        return tables.shape[1] * tables.shape[2]
 
     def weights(self, kind: str, head: int, device) -> torch.Tensor:
         key = (kind, head, str(device))
@@ -59,15 +61,16 @@ def encode_commvq(keys, values, valid, rope, book: VQBook) -> "VQCodes":
     mask = valid[..., None]
     cos, sin = book.cos_sin(rope, keys.new_empty(0, dtype=torch.float32))
     pre_rope = unrotate(keys.reshape(-1, 1, 1, dim), cos, sin).view(batch, heads, n, dim) * mask
-    values = values.float() * mask
-    out = {}
-    for kind, x in (("k", pre_rope), ("v", values)):
-        tables = book.keys if kind == "k" else book.values
-        per_head = [encode(x[:, h].reshape(-1, dim), tables[h]) for h in range(heads)]
-        codes = torch.stack([c.view(batch, n, -1) for c, _ in per_head], 1)  # [B, Hkv, n, G * S]
-        out[f"{kind}_codes"] = pack12(codes)
-        out[f"{kind}_norm"] = torch.stack([m.view(batch, n) for _, m in per_head], 1).half()
-    return VQCodes(**out, rope=rope.to(torch.int32).contiguous(), head=None, book=book)
+    codes, norms = [], {}
+    for kind, x in (("keys", pre_rope), ("values", values.float() * mask)):
+        per_head = [encode(x[:, h].reshape(-1, dim), getattr(book, kind)[h]) for h in range(heads)]
+        codes.append(torch.stack([c.view(batch, n, -1) for c, _ in per_head], 1))  # [B, Hkv, n, G * S]
+        norms[kind] = torch.stack([m.view(batch, n) for _, m in per_head], 1).half()
+    start = rope[:, :1, :1]
+    consecutive = bool((rope == start + torch.arange(n, device=rope.device)).all())
+    return VQCodes(pack12(torch.cat(codes, -1)), norms["keys"], norms["values"],
+                   None if consecutive else rope.to(torch.int32).contiguous(),
+                   start.to(torch.int32).contiguous() if consecutive else None, None, book)
 
 
 @dataclass
@@ -78,11 +81,11 @@ class VQCodes:
     storage_kind: ClassVar[str | None] = VQ
     key_dtype: ClassVar[torch.dtype] = torch.float32
 
-    k_codes: torch.Tensor
-    v_codes: torch.Tensor
+    codes: torch.Tensor
     k_norm: torch.Tensor
     v_norm: torch.Tensor
-    rope: torch.Tensor
+    rope: torch.Tensor | None
+    rope_start: torch.Tensor | None
     head: torch.Tensor | None
     book: VQBook
 
@@ -98,61 +101,87 @@ class VQCodes:
     def device(self) -> torch.device:
         return self.k_norm.device
 
-    def _slot_tensors(self) -> list[str]:
-        return [f.name for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)]
+    def _per_slot(self) -> list[str]:
+        return [name for name in ("codes", "k_norm", "v_norm", "rope", "head") if getattr(self, name) is not None]
+
+    def _explicit(self) -> "VQCodes":
+        """The same slots with every RoPE position stored (before slots are dropped, reordered or merged)."""
+        if self.rope is not None:
+            return self
+        return replace(self, rope=self.rope_positions(0, self.num_slots).contiguous(), rope_start=None)
 
     # -- decoding
-    def _heads(self) -> torch.Tensor:
-        """[b, h, t] the KV head (codebook) of each slot."""
-        if self.head is not None:
-            return self.head.long()
-        batch, heads, length = self.k_norm.shape
-        return torch.arange(heads, device=self.device).view(1, heads, 1).expand(batch, heads, length)
+    def rope_positions(self, start: int, end: int) -> torch.Tensor:
+        """int32 [b, h, end - start] RoPE positions of a block of slots."""
+        if self.rope is not None:
+            return self.rope[:, :, start:end]
+        steps = torch.arange(start, end, device=self.device, dtype=torch.int32)
+        return (self.rope_start + steps).expand(*self.batch_heads, -1)
 
-    def _decoded(self, kind: str, start: int, end: int) -> torch.Tensor:
-        """fp32 vectors [b, h, end - start, D] of one kind ('keys' before RoPE, or 'values')."""
-        codes = getattr(self, f"{kind[0]}_codes")[:, :, start:end]
-        norms = getattr(self, f"{kind[0]}_norm")[:, :, start:end]
-        tables = getattr(self.book, kind)
-        groups, stages, dim = tables.shape[1], tables.shape[2], 2 * tables.shape[1] * tables.shape[3]
-        codes = unpack12(codes, groups * stages).view(*norms.shape, groups, stages)
-        heads = self._heads()[:, :, start:end]
-        out = torch.zeros(*norms.shape, dim, device=self.device)
-        for h in range(tables.shape[0]):
-            at = heads == h
-            if bool(at.any()):
-                out[at] = decode(codes[at], norms[at], self.book.weights(kind, h, self.device))
-        return out
+    def _heads(self, start: int, end: int) -> torch.Tensor:
+        """[b, h, end - start] the KV head (codebook) of each slot."""
+        if self.head is not None:
+            return self.head[:, :, start:end].long()
+        batch, heads = self.batch_heads
+        return torch.arange(heads, device=self.device).view(1, heads, 1).expand(batch, heads, end - start)
+
+    def _decoded(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 keys before RoPE and values [b, h, end - start, D] of a block of slots."""
+        n_keys, n_values = self.book.codes_per_slot("keys"), self.book.codes_per_slot("values")
+        codes = unpack12(self.codes[:, :, start:end], n_keys + n_values)
+        heads = self._heads(start, end)
+        out = []
+        for kind, part, norms in (("keys", codes[..., :n_keys], self.k_norm), ("values", codes[..., n_keys:],
+                                                                               self.v_norm)):
+            tables = getattr(self.book, kind)
+            groups, stages, pairs = tables.shape[1:4]
+            norms = norms[:, :, start:end]
+            part = part.view(*norms.shape, groups, stages)
+            vectors = torch.zeros(*norms.shape, 2 * groups * pairs, device=self.device)
+            for h in range(tables.shape[0]):
+                at = heads == h
+                if bool(at.any()):
+                    vectors[at] = decode(part[at], norms[at], self.book.weights(kind, h, self.device))
+            out.append(vectors)
+        return out[0], out[1]
 
     def dequantize(self, start: int, end: int, precision: int | None = None):
         """fp32 keys (post-RoPE) and values [b, h, end - start, D] of a block of slots."""
-        keys = self._decoded("keys", start, end)
-        cos, sin = self.book.cos_sin(self.rope[:, :, start:end], keys)
-        keys = apply_rotary(keys.reshape(-1, 1, 1, keys.shape[-1]), cos, sin).view_as(keys)
-        return keys, self._decoded("values", start, end)
+        keys, values = self._decoded(start, end)
+        cos, sin = self.book.cos_sin(self.rope_positions(start, end), keys)
+        return apply_rotary(keys.reshape(-1, 1, 1, keys.shape[-1]), cos, sin).view_as(keys), values
 
     def readable_keys(self, dtype: torch.dtype) -> torch.Tensor:
         return self.dequantize(0, self.num_slots)[0].to(dtype)
 
     def readable_values(self, dtype: torch.dtype) -> torch.Tensor:
-        return self._decoded("values", 0, self.num_slots).to(dtype)
+        return self._decoded(0, self.num_slots)[1].to(dtype)
 
     # -- the Payload protocol
     def gather(self, indices: torch.Tensor, real: torch.Tensor | None = None) -> "VQCodes":
+        self = self._explicit()
         return replace(self, **{name: (take_slots(t, indices) if t.dim() == 4 else t.gather(2, indices))
-                                for name in self._slot_tensors() for t in [getattr(self, name)]})
+                                for name in self._per_slot() for t in [getattr(self, name)]})
 
     def cat(self, other: "VQCodes") -> "VQCodes":
-        return replace(self, **{name: torch.cat([getattr(self, name), getattr(other, name)], 2)
-                                for name in self._slot_tensors()})
+        if self.rope is None and other.rope is None and torch.equal(other.rope_start,
+                                                                    self.rope_start + self.num_slots):
+            merged = replace(self, rope=None)  # still consecutive: the positions stay implicit
+        else:
+            self, other = self._explicit(), other._explicit()
+            merged = self
+        return replace(merged, **{name: torch.cat([getattr(self, name), getattr(other, name)], 2)
+                                  for name in merged._per_slot()})
 
     def flatten(self, ok: torch.Tensor) -> "VQCodes":
         """The slots where ok [b, h, t] as one flat store [1, 1, N], each slot with its KV head."""
-        out = {name: getattr(self, name)[ok][None, None] for name in self._slot_tensors() if name != "head"}
-        return replace(self, **out, head=self._heads()[ok].to(torch.uint8)[None, None])
+        self = self._explicit()
+        out = {name: getattr(self, name)[ok][None, None] for name in self._per_slot() if name != "head"}
+        return replace(self, **out, head=self._heads(0, self.num_slots)[ok].to(torch.uint8)[None, None])
 
     def map_rows(self, fn) -> "VQCodes":
-        return replace(self, **{name: fn(getattr(self, name)) for name in self._slot_tensors()})
+        return replace(self, **{f.name: fn(getattr(self, f.name)) for f in fields(self)
+                                if isinstance(getattr(self, f.name), torch.Tensor)})
 
     def to(self, device) -> "VQCodes":
         return self.map_rows(lambda t: t.to(device))
@@ -161,7 +190,7 @@ class VQCodes:
         return self  # never written in place
 
     def tensors(self) -> list[torch.Tensor]:
-        return [getattr(self, name) for name in self._slot_tensors()]
+        return [getattr(self, f.name) for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)]
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())

@@ -41,14 +41,15 @@ class CommVQ(Codec):
     """Additive vector-quantization storage whose key codebooks commute with RoPE (module docstring)."""
 
     name = "commvq"
-    stages: int = 9
+    key_stages: int = 9
+    value_stages: int = 9
     residual_length: int = 128
     block_size: int = 128
     calibration: str | None = None
     books: dict = field(default=None, repr=False, compare=False)  # layer index -> VQBook (for_model)
 
     def validate(self) -> None:
-        for name, low in (("stages", 1), ("block_size", 1), ("residual_length", 0)):
+        for name, low in (("key_stages", 1), ("value_stages", 1), ("block_size", 1), ("residual_length", 0)):
             if getattr(self, name) < low:
                 raise ValueError(f"{self.name}: {name}={getattr(self, name)!r}; allowed values: an int >= {low}")
 
@@ -58,12 +59,13 @@ class CommVQ(Codec):
         if calibration.codebooks is None:
             raise ValueError(f"{self.name}: calibration={self.calibration!r} holds no codebooks; allowed values: a "
                              f"calibration file with CommVQ's codebooks (add them with `{command}`)")
-        shipped = calibration.codebooks["keys"].shape[3]
-        if self.stages > shipped:
-            raise ValueError(f"{self.name}: stages={self.stages} but the calibration's codebooks have {shipped}; "
-                             f"allowed values: 1 to {shipped} (or more stages with `{command} --codebook-stages N`)")
-        books = {layer: VQBook(calibration.codebooks["keys"][i][:, :, :self.stages].contiguous(),
-                               calibration.codebooks["values"][i][:, :, :self.stages].contiguous(),
+        for kind in ("key", "value"):
+            stages, shipped = getattr(self, f"{kind}_stages"), calibration.codebooks[f"{kind}s"].shape[3]
+            if stages > shipped:
+                raise ValueError(f"{self.name}: {kind}_stages={stages} but the calibration's codebooks have {shipped}; "
+                                 f"allowed values: 1 to {shipped} (or more with `{command} --codebook-stages N`)")
+        books = {layer: VQBook(calibration.codebooks["keys"][i][:, :, :self.key_stages].contiguous(),
+                               calibration.codebooks["values"][i][:, :, :self.value_stages].contiguous(),
                                model.rotary(layer))
                  for i, layer in enumerate(calibration.layers)}
         return dataclasses.replace(self, books=books)
