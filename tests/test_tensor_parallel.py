@@ -18,7 +18,7 @@ _COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden
                num_key_value_heads=2, max_position_embeddings=1024, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 MODELS = {"llama": lambda: LlamaForCausalLM(LlamaConfig(**_COMMON)),
           "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(**_COMMON, head_dim=16))}
-CROSS_HEAD = {"snapkv adaptive", "tova", "expected_attention adaptive", "kvzip global", "token_select",
+CROSS_HEAD = {"snapkv adaptive", "tova", "expected_attention adaptive", "kvzip global", "kvzap global", "token_select",
               "recycled_attention"}
 # torchrun started from the interpreter running the suite (not whatever `torchrun` is on PATH, if any): the
 # multi-process tests run wherever the suite runs, e.g. a virtual environment's python that is not activated
@@ -35,8 +35,16 @@ def _run(command):
 
 @pytest.mark.parametrize("arch", sorted(MODELS))
 def test_tensor_parallel_tokens_equal_one_process(arch, tmp_path):
+    from kvpress.calibration import calibrate
+    from kvpress.formats.calibration import FILE_NAME
+    from test_calibrated import TOK
+
     torch.manual_seed(0)
-    MODELS[arch]().save_pretrained(tmp_path)
+    model = MODELS[arch]()
+    model.save_pretrained(tmp_path)
+    # beside the weights, for the calibrated policies (commvq's codebooks: each rank reads its heads' tables)
+    calibrate(model, TOK, n_texts=3, n_tokens=120, held_out=1, tokens_per_text=80, codebook_stages=2,
+              log=lambda *a: None).save(tmp_path / FILE_NAME)
     alone = _run([sys.executable, str(WORKER), str(tmp_path)])
     split = _run([*TORCHRUN, "--nproc_per_node", "2", "--master_port", str(29500 + len(arch)), str(WORKER),
                   str(tmp_path)])

@@ -26,7 +26,10 @@ def identity_of(config, embedding: torch.Tensor) -> dict:
     """What a calibration file must match: the architecture's shape (a transformers config) and a fingerprint of the
     weights (the first rows of the input embedding, rounded to bf16 so fp32 and bf16 loads of one checkpoint agree)."""
     config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    rows = embedding.detach()[:256].to("cpu", torch.bfloat16).contiguous()
+    embedding = embedding.detach()
+    if hasattr(embedding, "full_tensor"):  # a DTensor (tensor parallelism): every rank fingerprints the whole table
+        embedding = embedding.full_tensor()
+    rows = embedding[:256].to("cpu", torch.bfloat16).contiguous()
     digest = hashlib.sha256(rows.view(torch.int16).numpy().tobytes()).hexdigest()[:16]
     return dict(model_type=config.model_type, layers=config.num_hidden_layers, hidden_size=config.hidden_size,
                 kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from ..cache.rollback import appends_before_flush
 from ..cache.vq import VQBook, encode_commvq
 from ..formats.calibration import Calibration
+from ..heads import HeadShards
 from .context import Context
 from .protocol import ModelInfo
 from .registry import register
@@ -47,6 +48,8 @@ class CommVQ(Codec):
     block_size: int = 128
     calibration: str | None = None
     books: dict = field(default=None, repr=False, compare=False)  # layer index -> VQBook (for_model)
+    # (layer index, KV heads held here) -> the VQBook of this process's block of heads (tensor parallelism)
+    local_books: dict = field(default_factory=dict, repr=False, compare=False)
 
     def validate(self) -> None:
         for name, low in (("key_stages", 1), ("value_stages", 1), ("block_size", 1), ("residual_length", 0)):
@@ -75,13 +78,24 @@ class CommVQ(Codec):
 
     def store(self, layer, layer_idx: int) -> None:
         """Code what the residual window no longer covers, `block_size` slots at a time."""
-        book, padding = self.books[layer_idx], layer.padding
+        book, padding = self._book(layer_idx, layer.num_kv_heads), layer.padding
 
         def encode(keys, values, valid, positions):
             rope = positions if padding is None else positions - padding.view(-1, 1, 1).to(positions)
             return encode_commvq(keys, values, valid, rope, book)
 
         layer.flush_low_bit(self.residual_length, self.block_size, encode)
+
+    def _book(self, layer_idx: int, local_heads: int) -> VQBook:
+        """The codebooks of the KV heads this process's layer holds (a block of them under tensor parallelism)."""
+        book = self.books[layer_idx]
+        if local_heads == book.keys.shape[0]:
+            return book
+        key = (layer_idx, local_heads)
+        if key not in self.local_books:
+            self.local_books[key] = VQBook(HeadShards.block_of(book.keys, local_heads),
+                                           HeadShards.block_of(book.values, local_heads), book.rotary)
+        return self.local_books[key]
 
     def on_prefill(self, ctx: Context) -> None:
         self.store(ctx.layer, ctx.layer_idx)
