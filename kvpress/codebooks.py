@@ -3,7 +3,10 @@
 
 For every layer kvpress compresses and every KV head, the pre-RoPE keys and the values of the calibration texts
 (calibration.py's local texts) are recorded, divided by their norms, and one set of tables per head, group and stage
-is fitted by formats/commvq.fit_tables. Differences from the official training (`training/quantize_key_cache.py`):
+is fitted (`fit_tables`): hard-assignment EM, stage after stage. Each residual gets its nearest codeword
+(kernels/vq_search.py), then the tables are solved in closed form: with the codes fixed the codewords t_a + i t_b are
+linear in the table entries, so each pair's 64 entries solve one 64 x 64 complex least-squares system, shared by every
+pair of a group (the codes are). Differences from the official training (`training/quantize_key_cache.py`):
 hard assignments (the paper's EM uses soft ones, annealing the temperature from 1e-3 to 1e-5); one norm per head
 instead of one per token over all heads (a head's slots can then be evicted alone); and the values use the same
 commutative tables as the keys, fitted the same way, where the paper trains a small encoder and decoder end to end
@@ -17,9 +20,10 @@ from dataclasses import dataclass, field
 import torch
 
 from .cache import KVPressCache
-from .formats.commvq import fit_tables
+from .formats.commvq import ENTRIES, codewords, from_pairs, to_pairs
 from .integrations.hf import with_cache
 from .integrations.patching import patch_model
+from .kernels.vq_search import nearest
 from .policies.context import Context
 from .policies.protocol import Needs, Policy
 from .positions import unrotate
@@ -30,6 +34,44 @@ MAX_GROUP_PAIRS = 64  # RoPE pairs per group: 128 channels, the paper's group (a
 def group_pairs(head_dim: int) -> int:
     """RoPE pairs per codebook group for a head of `head_dim` channels."""
     return min(head_dim // 2, MAX_GROUP_PAIRS)
+
+
+def _solve_table(residual: torch.Tensor, codes: torch.Tensor, ridge: float) -> torch.Tensor:
+    """The table [P, 64] (complex) minimising sum_n |r_n - t_a(n) - i t_b(n)|^2 for fixed codes: normal equations
+    G t = h with G = diag(#a + #b) + i (C - C^T), C[e, f] = #{n: a = e, b = f}, h_e = sum_{a=e} r - i sum_{b=e} r."""
+    a, b = codes // ENTRIES, codes % ENTRIES
+    count = torch.zeros(ENTRIES, ENTRIES, dtype=torch.float64, device=residual.device)
+    count.index_put_((a, b), torch.ones_like(a, dtype=torch.float64), accumulate=True)
+    gram = torch.diag(count.sum(1) + count.sum(0) + ridge).to(torch.complex128) + 1j * (count - count.T)
+    rhs = torch.zeros(ENTRIES, residual.shape[1], dtype=torch.complex128, device=residual.device)
+    r = residual.to(torch.complex128)
+    rhs.index_add_(0, a, r)
+    rhs.index_add_(0, b, -1j * r)
+    return torch.linalg.solve(gram, rhs).T.to(residual.dtype)
+
+
+def fit_tables(x: torch.Tensor, pairs: int, stages: int, iters: int = 8, ridge: float = 1e-3,
+               seed: int = 0) -> tuple[torch.Tensor, list]:
+    """Tables [G, S, P, 64] (complex64) fitted to vectors x [N, D] (pre-RoPE keys or values of one KV head), and the
+    mean squared error of the normalised vectors after each stage (for the calibration's metrics)."""
+    gen = torch.Generator().manual_seed(seed)
+    norms = x.float().norm(dim=-1, keepdim=True).clamp(min=1e-12)
+    residual = to_pairs(x.float() / norms, pairs)  # [N, G, P]
+    groups = residual.shape[1]
+    tables = torch.zeros(groups, stages, pairs, ENTRIES, dtype=torch.complex64)
+    errors = []
+    for s in range(stages):
+        for g in range(groups):
+            r = residual[:, g]
+            start = r[torch.randperm(r.shape[0], generator=gen)[:ENTRIES]].T  # entries drawn from the residuals
+            table = torch.zeros(pairs, ENTRIES, dtype=r.dtype)
+            table[:, :start.shape[1]] = start / 2
+            for _ in range(iters):
+                table = _solve_table(r, nearest(r, table), ridge)
+            tables[g, s] = table
+            residual[:, g] = r - codewords(nearest(r, table), table)
+        errors.append(float(from_pairs(residual).square().sum(-1).mean()))
+    return tables, errors
 
 
 @dataclass

@@ -8,7 +8,9 @@ import torch
 from transformers import DynamicCache
 
 import kvpress
+from kvpress import codebooks
 from kvpress.formats import commvq as cv
+from kvpress.kernels import vq_search
 from kvpress.formats.calibration import Calibration
 
 from conftest import tiny_model
@@ -38,7 +40,8 @@ def _pairs(x):
 
 def _tables(seed=0, groups=1, stages=3):
     g = torch.Generator().manual_seed(seed)
-    return torch.complex(torch.randn(groups, stages, P, 64, generator=g), torch.randn(groups, stages, P, 64, generator=g)) * 0.3
+    shape = (groups, stages, P, 64)
+    return torch.complex(torch.randn(shape, generator=g), torch.randn(shape, generator=g)) * 0.3
 
 
 def test_each_codeword_commutes_with_every_rope_rotation():
@@ -64,17 +67,19 @@ def test_each_codeword_commutes_with_every_rope_rotation():
     assert torch.allclose(_rope(decoded.double(), torch.full((5,), position)), rotated_first.double(), atol=1e-5)
 
 
-def test_nearest_is_the_argmin_over_all_4096_codewords():
+def test_nearest_is_the_argmin_over_all_4096_codewords_in_c_and_in_torch():
     table = _tables()[0, 0]
-    residuals = torch.complex(torch.randn(300, P), torch.randn(300, P))
+    residuals = torch.complex(torch.randn(1300, P), torch.randn(1300, P))
     brute = (residuals.to(torch.complex128)[:, None] - _all_codewords(table)[None]).abs().square().sum(-1).argmin(1)
-    assert torch.equal(cv.nearest(residuals, table), brute)
+    assert torch.equal(vq_search.nearest_reference(residuals, table), brute)
+    if vq_search.available():  # (the C search where a compiler works; CI machines have one)
+        assert torch.equal(vq_search.nearest(residuals, table), brute)
 
 
 def test_encode_is_greedy_residual_coding_of_the_unit_vector_and_decode_its_sum():
     tables = _tables(stages=3)
     x = torch.randn(20, D) * 3
-    codes, norms = cv.encode(x, tables)
+    codes, norms = vq_search.encode(x, tables)
     words = [_all_codewords(tables[0, s]) for s in range(3)]
     for n in range(20):
         residual, total = _pairs(x[n]), 0
@@ -95,7 +100,7 @@ def test_the_table_solve_is_least_squares_over_the_codes():
     n = 2000
     codes = torch.randint(0, 4096, (n,), generator=g)
     residual = torch.complex(torch.randn(n, 1, generator=g), torch.randn(n, 1, generator=g))
-    solved = cv._solve_table(residual, codes, ridge=0.0)[0]
+    solved = codebooks._solve_table(residual, codes, ridge=0.0)[0]
     design = torch.zeros(2 * n, 128, dtype=torch.float64)  # rows: real, imaginary part of sample; cols: x_e, y_e
     for i, code in enumerate(codes.tolist()):
         a, b = divmod(code, 64)
@@ -111,11 +116,11 @@ def test_the_table_solve_is_least_squares_over_the_codes():
 def test_fitted_tables_lose_less_with_each_stage_also_on_held_out_vectors():
     g = torch.Generator().manual_seed(2)
     x = torch.randn(3000, 4, generator=g) @ torch.randn(4, D, generator=g) + 0.1 * torch.randn(3000, D, generator=g)
-    tables, errors = cv.fit_tables(x[:2000], P, stages=4, iters=4)
+    tables, errors = codebooks.fit_tables(x[:2000], P, stages=4, iters=4)
     assert all(later < earlier for earlier, later in zip(errors, errors[1:]))
     held_out = []
     for stages in range(1, 5):
-        codes, norms = cv.encode(x[2000:], tables[:, :stages])
+        codes, norms = vq_search.encode(x[2000:], tables[:, :stages])
         decoded = cv.decode(codes, norms, cv.bag_weights(tables[:, :stages]))
         held_out.append(float(((decoded - x[2000:]).norm(dim=-1) / x[2000:].norm(dim=-1)).mean()))
     assert all(later < earlier for earlier, later in zip(held_out, held_out[1:]))

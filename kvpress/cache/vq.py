@@ -23,8 +23,9 @@ from typing import ClassVar
 
 import torch
 
-from ..formats.commvq import bag_weights, decode, encode, pack12, unpack12
+from ..formats.commvq import bag_weights, decode, pack12, unpack12
 from ..formats.slots import take_slots
+from ..kernels.vq_search import encode
 from ..positions import apply_rotary, unrotate
 
 VQ = "vq"
@@ -129,7 +130,7 @@ class VQCodes:
         """fp32 keys before RoPE and values [b, h, end - start, D] of a block of slots."""
         n_keys, n_values = self.book.codes_per_slot("keys"), self.book.codes_per_slot("values")
         codes = unpack12(self.codes[:, :, start:end], n_keys + n_values)
-        heads = self._heads(start, end)
+        heads = None if self.head is None else self._heads(start, end)
         out = []
         for kind, part, norms in (("keys", codes[..., :n_keys], self.k_norm), ("values", codes[..., n_keys:],
                                                                                self.v_norm)):
@@ -137,11 +138,15 @@ class VQCodes:
             groups, stages, pairs = tables.shape[1:4]
             norms = norms[:, :, start:end]
             part = part.view(*norms.shape, groups, stages)
-            vectors = torch.zeros(*norms.shape, 2 * groups * pairs, device=self.device)
-            for h in range(tables.shape[0]):
-                at = heads == h
-                if bool(at.any()):
-                    vectors[at] = decode(part[at], norms[at], self.book.weights(kind, h, self.device))
+            if self.head is None:  # a rectangle: head h is dim 1's h
+                vectors = torch.stack([decode(part[:, h], norms[:, h], self.book.weights(kind, h, self.device))
+                                       for h in range(tables.shape[0])], 1)
+            else:
+                vectors = torch.zeros(*norms.shape, 2 * groups * pairs, device=self.device)
+                for h in range(tables.shape[0]):
+                    at = heads == h
+                    if bool(at.any()):
+                        vectors[at] = decode(part[at], norms[at], self.book.weights(kind, h, self.device))
             out.append(vectors)
         return out[0], out[1]
 

@@ -1,7 +1,5 @@
-"""The CPU kernel of lowbit_cpu.c (attention over slot-ordered KIVI or GEAR codes): compiled once per machine
-with the system C compiler into ~/.cache/kvpress/native (the file name holds the source's hash, so an edit
-rebuilds; about 15 s with GCC 12, on the first low-bit read), loaded with ctypes, run on torch's OpenMP thread pool (the library links the libgomp that torch has
-already loaded).
+"""The CPU kernel of lowbit_cpu.c (attention over slot-ordered KIVI or GEAR codes), built by native.py on the first
+low-bit read (about 15 s with GCC 12) and run on torch's OpenMP thread pool.
 
 `available()` is False where no compiler works (a warning says why, once); `lowbit_attention_state` in
 quant_attention.py then reads through `codes_domain_attention_state`, the torch version of the same computation
@@ -10,11 +8,6 @@ quant_attention.py then reads through `codes_domain_attention_state`, the torch 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import shutil
-import subprocess
-import tempfile
 import threading
 import warnings
 from pathlib import Path
@@ -22,15 +15,13 @@ from pathlib import Path
 import torch
 
 from ..formats.lowbit import LowBitCodes
+from .native import compile_library
 from .online_softmax import Queries, State, merge_states
 from .sparse_attention import run_grid
 
 SOURCE = Path(__file__).with_name("lowbit_cpu.c")
 MAX_HEAD_DIM = 1024  # the kernel unpacks one row into a stack buffer of this many floats
 MIN_SPLIT = 256  # slots per work item, at least: fewer make the merge cost more than the parallelism gives
-# fast reductions (sums reassociated for vectors), but infinities kept: masked slots are -inf
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros",
-         "-fassociative-math", "-shared", "-fPIC"]
 _lock = threading.Lock()
 _library: ctypes.CDLL | None | bool = False  # False: not tried yet
 
@@ -45,22 +36,7 @@ class _GearTerms(ctypes.Structure):
 
 
 def _build() -> ctypes.CDLL:
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
-    folder = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvpress" / "native"
-    target = folder / f"lowbit_cpu-{digest}.so"
-    if not target.exists():
-        compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-        if compiler is None:
-            raise OSError("no C compiler (cc, gcc or $CC) on PATH")
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=folder) as tmp:  # another process may build at the same time
-            built = Path(tmp) / target.name
-            command = [compiler, *FLAGS, str(SOURCE), "-o", str(built)]
-            done = subprocess.run(command, capture_output=True, text=True)
-            if done.returncode != 0:
-                raise OSError(f"{' '.join(command)} failed: {done.stderr[-2000:]}")
-            os.replace(built, target)
-    library = ctypes.CDLL(str(target))
+    library = compile_library(SOURCE)
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     library.lowbit_attention.argtypes = ([ptr] * 4 + [i64] + [ptr] * 5 + [ctypes.c_float] + [ptr] * 3 + [i64] * 6
                                          + [ctypes.c_int, i64, ctypes.c_int] + [ptr] * 2 + [i64] + [ptr] * 3

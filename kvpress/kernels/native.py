@@ -1,0 +1,38 @@
+"""C kernels on CPU: a source file of kernels/ compiled once per machine with the system C compiler into
+~/.cache/kvpress/native (the file name holds a hash of the source and flags, so an edit rebuilds) and loaded with
+ctypes. The libraries link the libgomp that torch has already loaded, so their OpenMP loops run on torch's thread
+pool. Each kernel's module keeps a torch version of the same computation for where no compiler works."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+# fast reductions (sums reassociated for vectors), but infinities kept: masked slots are -inf
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros",
+         "-fassociative-math", "-shared", "-fPIC"]
+
+
+def compile_library(source: Path) -> ctypes.CDLL:
+    """`source` compiled (once per machine and version of the source) and loaded; OSError where no compiler works."""
+    digest = hashlib.sha256(source.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    folder = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvpress" / "native"
+    target = folder / f"{source.stem}-{digest}.so"
+    if not target.exists():
+        compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+        if compiler is None:
+            raise OSError("no C compiler (cc, gcc or $CC) on PATH")
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=folder) as tmp:  # another process may build at the same time
+            built = Path(tmp) / target.name
+            command = [compiler, *FLAGS, str(source), "-o", str(built)]
+            done = subprocess.run(command, capture_output=True, text=True)
+            if done.returncode != 0:
+                raise OSError(f"{' '.join(command)} failed: {done.stderr[-2000:]}")
+            os.replace(built, target)
+    return ctypes.CDLL(str(target))

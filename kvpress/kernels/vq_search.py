@@ -1,0 +1,89 @@
+"""CommVQ's encoder (formats/commvq.py is the layout): each vector, divided by its norm, as a sum of one codeword per
+stage, chosen greedily on the residual. The nearest of a stage's 4096 codewords t_a + i t_b needs no search over
+vectors: |r - t_a - i t_b|^2 - |r|^2 = A[a] + B[b] + C[a, b], with A and B two [64] products of r with the table
+and C a [64, 64] table of the codebook alone. For each a the best b is a (min, +) over 64 entries, then the best a,
+then its b again: an exact argmin over the 4096 codewords.
+
+`nearest` runs vq_cpu.c (built by native.py) on CPU, where a compiler works: the per-a minimum is one vector
+reduction, no [N, 64, 64] tensor is written. `nearest_reference` is the same computation in torch (same codes)."""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+from ..formats.commvq import ENTRIES, codewords, to_pairs
+from .native import compile_library
+
+SOURCE = Path(__file__).with_name("vq_cpu.c")
+_ROWS = 512  # residual rows per block of the torch search (a [512, 64, 64] fp32 sum: 8 MiB)
+_lock = threading.Lock()
+_library: ctypes.CDLL | None | bool = False  # False: not tried yet
+
+
+def _terms(residual: torch.Tensor, table: torch.Tensor):
+    """(A [N, 64], B [N, 64], C [64, 64]) fp32 of residuals [N, P] (complex) over table [P, 64]."""
+    jt = table * 1j
+    norms = table.abs().square().sum(0)
+    pair_terms = norms[:, None] + norms[None, :] + 2 * (table.conj()[:, :, None] * jt[:, None, :]).real.sum(0)
+    return -2 * (residual.conj() @ table).real, -2 * (residual.conj() @ jt).real, pair_terms
+
+
+def nearest_reference(residual: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """The code a * 64 + b [N] of the codeword t_a + i t_b nearest each residual [N, P] (complex), table [P, 64]."""
+    a_term, b_term, pair_terms = _terms(residual, table)
+    codes = []
+    for start in range(0, residual.shape[0], _ROWS):
+        a_part, b_part = a_term[start:start + _ROWS], b_term[start:start + _ROWS]
+        best_b = (b_part[:, None, :] + pair_terms).amin(-1)  # [n, 64]: min over b for each a
+        a = (a_part + best_b).argmin(1)
+        b = (b_part + pair_terms[a]).argmin(1)
+        codes.append(a * ENTRIES + b)
+    return torch.cat(codes) if codes else torch.zeros(0, dtype=torch.long, device=residual.device)
+
+
+def available() -> bool:
+    global _library
+    with _lock:
+        if _library is False:
+            try:
+                _library = compile_library(SOURCE)
+                i64, ptr = ctypes.c_int64, ctypes.c_void_p
+                _library.vq_nearest.argtypes = [ptr, ptr, ptr, i64, ptr]
+                _library.vq_nearest.restype = None
+            except OSError as error:
+                warnings.warn(f"kvpress: the CPU codebook search could not be built ({error}); CommVQ codes are "
+                              "chosen in torch instead (same codes, slower)", stacklevel=3)
+                _library = None
+        return _library is not None
+
+
+def nearest(residual: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """nearest_reference's codes, by vq_cpu.c on CPU where it builds."""
+    if residual.is_cuda or not available():
+        return nearest_reference(residual, table)
+    a_term, b_term, pair_terms = _terms(residual, table)
+    a_term, b_term, pair_t = a_term.float().contiguous(), b_term.float().contiguous(), pair_terms.T.float().contiguous()
+    codes = torch.empty(residual.shape[0], dtype=torch.int64)
+    _library.vq_nearest(a_term.data_ptr(), b_term.data_ptr(), pair_t.data_ptr(), residual.shape[0],
+                        codes.data_ptr())
+    return codes
+
+
+def encode(x: torch.Tensor, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes [N, G, S] int64, norms [N] fp32) of vectors x [N, D] over tables [G, S, P, 64] (complex): each group
+    of P pairs of x / |x| is the sum of S codewords, one per stage, chosen greedily."""
+    groups, stages, pairs, _ = tables.shape
+    norms = x.float().norm(dim=-1)
+    residual = to_pairs(x / norms.clamp(min=1e-12)[:, None], pairs)  # [N, G, P]
+    codes = torch.zeros(x.shape[0], groups, stages, dtype=torch.long, device=x.device)
+    for g in range(groups):
+        r = residual[:, g]
+        for s in range(stages):
+            codes[:, g, s] = nearest(r, tables[g, s])
+            r = r - codewords(codes[:, g, s], tables[g, s])
+    return codes, norms
