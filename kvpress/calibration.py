@@ -35,7 +35,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from . import arguments
 from .cache import KVPressCache
 from .channels import label_channels
-from .codebooks import fit_codebooks
+from .codebooks import default_stages, fit_codebooks
 from .formats.calibration import FILE_NAME, Calibration, model_identity  # noqa: F401 (this module's public names)
 from .integrations import patch_model
 from .integrations.hf import with_cache
@@ -255,7 +255,8 @@ def calibrate(model, tokenizer, kind: str = "linear", target: str = "kvzip", n_t
     `held_out` texts and report its agreement with KVzip on those. `tokens_per_text`: tokens of each text the fit
     samples (None: every token after the sinks; on SmolLM2 that fits better than 768 sampled ones: Spearman 0.768
     vs 0.757 held out; kvzap at ratio 0.75 on the query-agnostic suite, 120 samples: 54.4 vs 51.7). CommVQ's
-    codebooks are fitted on the same texts, `codebook_stages` stages (None: CODEBOOK_STAGES)."""
+    codebooks are fitted on the same texts, `codebook_stages` stages (None: about 2 bits per number,
+    codebooks.default_stages)."""
     if kind not in ("linear", "mlp"):
         raise ValueError(f"kind={kind!r}; allowed values: 'linear', 'mlp'")
     if target not in ("kvzip", "kvzip_plus"):
@@ -272,14 +273,18 @@ def calibrate(model, tokenizer, kind: str = "linear", target: str = "kvzip", n_t
     calibration = fit(records, model_identity(model), kind, held_out, tokens_per_text, mlp_hidden, mlp_steps, ridge,
                       n_sink, seed, settings)
     calibration.channels = label_channels(model, texts, calibration.layers)  # Double Sparsity's, from the same texts
-    add_codebooks(calibration, model, texts, CODEBOOK_STAGES if codebook_stages is None else codebook_stages, log)
+    add_codebooks(calibration, model, texts, codebook_stages, log)
     calibration.metrics["seconds"] = round(time.perf_counter() - start, 1)
     log(f"held-out agreement with KVzip: {calibration.metrics}")
     return calibration
 
 
-def add_codebooks(calibration: Calibration, model, texts: list, stages: int, log=print) -> None:
-    """Fit CommVQ's codebooks (kvpress/codebooks.py) on `texts` and put them in `calibration`."""
+def add_codebooks(calibration: Calibration, model, texts: list, stages: int | None, log=print) -> None:
+    """Fit CommVQ's codebooks (kvpress/codebooks.py) on `texts`, `stages` stages (None: default_stages of the model's
+    heads), and put them in `calibration`."""
+    config = model.config.get_text_config(decoder=True)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    stages = default_stages(head_dim) if stages is None else stages
     fitted = fit_codebooks(model, texts, calibration.layers, stages, log=log)
     calibration.codebooks = {kind: fitted[kind] for kind in ("keys", "values")}
     calibration.settings["codebooks"] = dict(texts=len(texts), tokens=max(len(t) for t in texts), stages=stages)
@@ -307,7 +312,6 @@ def fit(records: list, identity: dict, kind: str = "linear", held_out: int = 1, 
     return calibration
 
 
-CODEBOOK_STAGES = 9  # CommVQ: 9 stages of 12 bits per 64-channel group, with a head's fp16 norm about 12% of 16-bit KV
 HELD_OUT = 4  # texts `kvpress calibrate` keeps apart to measure the fit (calibrate's held_out)
 MIN_TOKENS = 64  # shorter texts leave a layer too few tokens after the sinks to fit a predictor
 
@@ -331,8 +335,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--codebooks-only", action="store_true",
                         help="add CommVQ's codebooks (keys and values) to the existing file at --out (the rest stays "
                              "as it is); minutes per layer on a CPU")
-    parser.add_argument("--codebook-stages", type=int, default=CODEBOOK_STAGES,
-                        help=f"residual stages of the codebooks (default {CODEBOOK_STAGES}: the most commvq may use)")
+    parser.add_argument("--codebook-stages", type=int, default=None,
+                        help="residual stages of CommVQ's codebooks, the most commvq may use (default: about 2 bits "
+                             "per number, 9 for 64-channel heads)")
     return parser
 
 
@@ -344,7 +349,8 @@ def main(argv=None) -> None:
         arguments.at_least("--texts", args.texts, HELD_OUT + 1, f" ({HELD_OUT} texts are held out to measure the fit)")
         arguments.at_least("--tokens", args.tokens, MIN_TOKENS, " (tokens per text)")
         out = arguments.writable_file("--out", Path(args.out) if args.out else source / FILE_NAME)
-        arguments.at_least("--codebook-stages", args.codebook_stages, 1, " (residual stages)")
+        if args.codebook_stages is not None:
+            arguments.at_least("--codebook-stages", args.codebook_stages, 1, " (residual stages)")
         for flag in ("channels_only", "codebooks_only"):
             if getattr(args, flag) and not out.is_file():
                 option = "--" + flag.replace("_", "-")

@@ -31,9 +31,18 @@ from .positions import unrotate
 MAX_GROUP_PAIRS = 64  # RoPE pairs per group: 128 channels, the paper's group (a 64-channel head is one group)
 
 
+BITS = 2.0  # the rate `kvpress calibrate` fits codebooks for by default: bits per number, the head's fp16 norm included
+
+
 def group_pairs(head_dim: int) -> int:
     """RoPE pairs per codebook group for a head of `head_dim` channels."""
     return min(head_dim // 2, MAX_GROUP_PAIRS)
+
+
+def default_stages(head_dim: int) -> int:
+    """The most 12-bit stages per group that keep a vector at <= BITS bits per number with its fp16 norm: 9 for
+    64-channel heads (1.94 bits), 20 for 256-channel ones in 128-channel groups (1.94)."""
+    return int((BITS - 16 / head_dim) * 2 * group_pairs(head_dim) // 12)
 
 
 def _solve_table(residual: torch.Tensor, codes: torch.Tensor, ridge: float) -> torch.Tensor:

@@ -29,7 +29,8 @@ class WordTokenizer:
 @pytest.fixture(scope="module")
 def llama_file(tmp_path_factory):
     model = tiny_model("llama")
-    calibration = calibrate(model, TOK, n_texts=3, n_tokens=120, held_out=1, tokens_per_text=80, log=lambda *a: None)
+    calibration = calibrate(model, TOK, n_texts=3, n_tokens=120, held_out=1, tokens_per_text=80, codebook_stages=3,
+                            log=lambda *a: None)
     path = tmp_path_factory.mktemp("calibration") / "tiny.safetensors"
     calibration.save(path)
     return path

@@ -6,6 +6,8 @@ approximated by `stages` codewords per group chosen greedily, each a sum t_a + i
 entries per pair (formats/commvq.py). The codewords commute with RoPE, so the decoded key is rotated exactly as the
 model rotated the original. Values are coded the same way, without RoPE. With SmolLM2's heads (64 channels, one
 group) 9 stages and an fp16 norm are 124 bits per vector: 12.1% of a 16-bit cache's bytes, 6.1% of a 32-bit one.
+`key_stages` / `value_stages` default to every stage of the model's codebooks, which `kvpress calibrate` fits to about
+2 bits per number: 9 stages for 64-channel groups (SmolLM2), 21 for 128-channel ones (Gemma-3, the paper's Llama).
 The newest `residual_length` tokens stay in full precision; older ones are coded `block_size` at a time.
 
 The tables come from the model's calibration file (`kvpress calibrate --model M --codebooks-only`, shipped for
@@ -42,8 +44,8 @@ class CommVQ(Codec):
     """Additive vector-quantization storage whose key codebooks commute with RoPE (module docstring)."""
 
     name = "commvq"
-    key_stages: int = 9
-    value_stages: int = 9
+    key_stages: int | None = None  # None: every stage of the calibration's codebooks
+    value_stages: int | None = None
     residual_length: int = 128
     block_size: int = 128
     calibration: str | None = None
@@ -53,7 +55,7 @@ class CommVQ(Codec):
 
     def validate(self) -> None:
         for name, low in (("key_stages", 1), ("value_stages", 1), ("block_size", 1), ("residual_length", 0)):
-            if getattr(self, name) < low:
+            if getattr(self, name) is not None and getattr(self, name) < low:
                 raise ValueError(f"{self.name}: {name}={getattr(self, name)!r}; allowed values: an int >= {low}")
 
     def for_model(self, model: ModelInfo) -> "CommVQ":
@@ -62,16 +64,18 @@ class CommVQ(Codec):
         if calibration.codebooks is None:
             raise ValueError(f"{self.name}: calibration={self.calibration!r} holds no codebooks; allowed values: a "
                              f"calibration file with CommVQ's codebooks (add them with `{command}`)")
+        stages = {}
         for kind in ("key", "value"):
-            stages, shipped = getattr(self, f"{kind}_stages"), calibration.codebooks[f"{kind}s"].shape[3]
-            if stages > shipped:
-                raise ValueError(f"{self.name}: {kind}_stages={stages} but the calibration's codebooks have {shipped}; "
+            asked, shipped = getattr(self, f"{kind}_stages"), calibration.codebooks[f"{kind}s"].shape[3]
+            if asked is not None and asked > shipped:
+                raise ValueError(f"{self.name}: {kind}_stages={asked} but the calibration's codebooks have {shipped}; "
                                  f"allowed values: 1 to {shipped} (or more with `{command} --codebook-stages N`)")
-        books = {layer: VQBook(calibration.codebooks["keys"][i][:, :, :self.key_stages].contiguous(),
-                               calibration.codebooks["values"][i][:, :, :self.value_stages].contiguous(),
+            stages[kind] = shipped if asked is None else asked
+        books = {layer: VQBook(calibration.codebooks["keys"][i][:, :, :stages["key"]].contiguous(),
+                               calibration.codebooks["values"][i][:, :, :stages["value"]].contiguous(),
                                model.rotary(layer))
                  for i, layer in enumerate(calibration.layers)}
-        return dataclasses.replace(self, books=books)
+        return dataclasses.replace(self, key_stages=stages["key"], value_stages=stages["value"], books=books)
 
     def appends_before_change(self, layer) -> int:
         return appends_before_flush(layer, self.residual_length, self.block_size)
