@@ -288,8 +288,8 @@ def add_codebooks(calibration: Calibration, model, texts: list, stages: int | No
     fitted = fit_codebooks(model, texts, calibration.layers, stages, log=log)
     calibration.codebooks = {kind: fitted[kind] for kind in ("keys", "values")}
     calibration.settings["codebooks"] = dict(texts=len(texts), tokens=max(len(t) for t in texts), stages=stages)
-    calibration.metrics["codebook_errors"] = {kind: round(float(fitted[f"{kind}_errors"].mean()), 5)
-                                              for kind in ("key", "value")}
+    calibration.metrics["codebook_held_out_relative_error"] = {kind: round(float(fitted[f"{kind}_errors"].mean()), 4)
+                                                               for kind in ("key", "value")}
 
 
 def fit(records: list, identity: dict, kind: str = "linear", held_out: int = 1, tokens_per_text: int | None = None,
@@ -351,11 +351,11 @@ def main(argv=None) -> None:
         out = arguments.writable_file("--out", Path(args.out) if args.out else source / FILE_NAME)
         if args.codebook_stages is not None:
             arguments.at_least("--codebook-stages", args.codebook_stages, 1, " (residual stages)")
-        for flag in ("channels_only", "codebooks_only"):
+        for flag, what in (("channels_only", "label channels"), ("codebooks_only", "CommVQ's codebooks")):
             if getattr(args, flag) and not out.is_file():
                 option = "--" + flag.replace("_", "-")
-                raise ValueError(f"--out {out}: {option} adds to an existing calibration file, and there is none; "
-                                 f"allowed: a file `kvpress calibrate` made (without {option})")
+                raise ValueError(f"--out {out}: {option} adds {what} to an existing calibration file, and there is "
+                                 f"none; allowed: a file `kvpress calibrate` made (without {option})")
     except ValueError as e:
         parser.exit(2, f"kvpress calibrate: error: {e}\n")
     torch.set_grad_enabled(False)

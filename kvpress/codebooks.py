@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 import torch
 
 from .cache import KVPressCache
-from .formats.commvq import ENTRIES, codewords, from_pairs, to_pairs
+from .formats.commvq import ENTRIES, bag_weights, codewords, decode, from_pairs, to_pairs
 from .integrations.hf import with_cache
 from .integrations.patching import patch_model
-from .kernels.vq_search import nearest
+from .kernels.vq_search import encode, nearest
 from .policies.context import Context
 from .policies.protocol import Needs, Policy
 from .positions import unrotate
@@ -103,11 +103,10 @@ class _KVRecorder(Policy):
         self.records.setdefault(ctx.layer_idx, []).append((pre_rope, values))
 
 
-def fit_codebooks(model, texts: list, layers: list, stages: int, iters: int = 5, rows: int = 12000,
-                  seed: int = 0, log=print) -> dict:
-    """{"keys", "values"}: tables [L, Hkv, G, S, P, 64] complex64 per layer of `layers` (in order), fitted to at most
-    `rows` tokens of `texts` (token id lists) per KV head, and "errors": the normalised mean squared error after the
-    last stage, [L, Hkv] per kind."""
+def fit_codebooks(model, texts: list, layers: list, stages: int, iters: int = 5, seed: int = 0, log=print) -> dict:
+    """{"keys", "values"}: tables [L, Hkv, G, S, P, 64] complex64 per layer of `layers` (in order), fitted to every
+    token of `texts` (token id lists) but the last text's, and "key_errors", "value_errors": [L, Hkv] the mean relative
+    error |x - decoded| / |x| of the last text's vectors (held out), with every stage."""
     records: dict = {}
     device = next(model.parameters()).device
     with torch.no_grad(), patch_model(model, _KVRecorder(records=records)):
@@ -117,11 +116,20 @@ def fit_codebooks(model, texts: list, layers: list, stages: int, iters: int = 5,
     out = {"keys": [], "values": [], "key_errors": [], "value_errors": []}
     for layer in layers:
         for kind, at in (("keys", 0), ("values", 1)):
-            data = torch.cat([r[at] for r in records[layer]], 1)  # [Hkv, N, D]
+            data = torch.cat([r[at] for r in records[layer][:-1]], 1)  # [Hkv, N, D]
+            held_out = records[layer][-1][at]
             pairs = group_pairs(data.shape[-1])
-            fitted = [fit_tables(data[h, :rows], pairs, stages, iters, seed=seed) for h in range(data.shape[0])]
-            out[kind].append(torch.stack([tables for tables, _ in fitted]))
-            out[kind[:-1] + "_errors"].append(torch.tensor([errors[-1] for _, errors in fitted]))
-        log(f"codebooks: layer {layer}: key error {out['key_errors'][-1].mean():.4f}, value error "
-            f"{out['value_errors'][-1].mean():.4f}")
+            tables = torch.stack([fit_tables(data[h], pairs, stages, iters, seed=seed)[0] for h in range(len(data))])
+            out[kind].append(tables)
+            out[kind[:-1] + "_errors"].append(torch.stack([_relative_error(held_out[h], tables[h])
+                                                           for h in range(len(data))]))
+        log(f"codebooks: layer {layer}: held-out relative error of keys {out['key_errors'][-1].mean():.4f}, of "
+            f"values {out['value_errors'][-1].mean():.4f}")
     return {name: torch.stack(parts) for name, parts in out.items()}
+
+
+def _relative_error(x: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    """Mean |x - decoded| / |x| of vectors x [N, D] coded with `tables`."""
+    codes, norms = encode(x, tables)
+    decoded = decode(codes, norms, bag_weights(tables))
+    return ((decoded - x).norm(dim=-1) / x.norm(dim=-1).clamp(min=1e-12)).mean()

@@ -86,13 +86,18 @@ def test_calibration_file_round_trips_and_cannot_run_code(llama_file):
     # safetensors: an 8-byte header length, a JSON header, raw tensor bytes; nothing a loader executes
     raw = llama_file.read_bytes()
     header = json.loads(raw[8:8 + int.from_bytes(raw[:8], "little")])
-    assert set(header) - {"__metadata__"} == {"weight", "bias", "head_error", "label_channels"}
+    assert set(header) - {"__metadata__"} == {"weight", "bias", "head_error", "label_channels", "codebook_keys",
+                                             "codebook_values"}
+    assert header["codebook_keys"]["dtype"] == "F16"  # CommVQ's tables: [L, Hkv, G, S, P, 64, 2] (real, imaginary)
+    assert header["codebook_keys"]["shape"] == [2, 2, 1, 3, 8, 64, 2]
     assert llama_file.stat().st_size < 1_000_000
     again = llama_file.with_name("again.safetensors")
     loaded.save(again)
     for name, tensor in loaded.tensors.items():
         assert torch.equal(Calibration.load(again).tensors[name], tensor)
     assert torch.equal(Calibration.load(again).channels, loaded.channels)
+    for kind in ("keys", "values"):
+        assert torch.equal(Calibration.load(again).codebooks[kind], loaded.codebooks[kind])
 
 
 def test_a_missing_or_mismatched_calibration_is_refused_with_the_command(llama_file, tmp_path):

@@ -40,6 +40,9 @@ def test_kvpress_models_refuses_an_unknown_name_before_any_download():
     (["--model", "smollm2", "--out", "{folder}"], "is a folder; allowed values: a file path you can write to"),
     (["--model", "smollm2", "--channels-only", "--out", "{folder}/none.kvpress"],
      "--channels-only adds label channels to an existing calibration file, and there is none"),
+    (["--model", "smollm2", "--codebooks-only", "--out", "{folder}/none.kvpress"],
+     "--codebooks-only adds CommVQ's codebooks to an existing calibration file, and there is none"),
+    (["--model", "smollm2", "--codebook-stages", "0"], "--codebook-stages"),
 ])
 def test_kvpress_calibrate_checks_every_flag_before_the_model_loads(argv, message, tmp_path):
     """A missing model folder gave a hub repo-id error, --texts 2 a traceback with internal names, --tokens 0 wrote
