@@ -1,5 +1,5 @@
 """CommVQ (Li et al., ICML 2025, arXiv 2506.18879; commvq/compress_evaluation.py, training/quantize_key_cache.py):
-keys and values as additive vector-quantization codes, 12 bits per stage per group of 64 RoPE pairs.
+keys and values as additive vector-quantization codes, 12 bits per stage per group of up to 64 RoPE pairs.
 
 Each slot's key is coded before RoPE (un-rotated at the position the model rotated it at), divided by its norm, and
 approximated by `stages` codewords per group chosen greedily, each a sum t_a + i t_b from one table of 64 complex
@@ -7,7 +7,7 @@ entries per pair (formats/commvq.py). The codewords commute with RoPE, so the de
 model rotated the original. Values are coded the same way, without RoPE. With SmolLM2's heads (64 channels, one
 group) 9 stages and an fp16 norm are 124 bits per vector: 12.1% of a 16-bit cache's bytes, 6.1% of a 32-bit one.
 `key_stages` / `value_stages` default to every stage of the model's codebooks, which `kvpress calibrate` fits to about
-2 bits per number: 9 stages for 64-channel groups (SmolLM2), 21 for 128-channel ones (Gemma-3, the paper's Llama).
+2 bits per number: 9 stages for 64-channel heads (SmolLM2), 20 for 128-channel groups (the paper: 21 for Llama's).
 The newest `residual_length` tokens stay in full precision; older ones are coded `block_size` at a time.
 
 The tables come from the model's calibration file (`kvpress calibrate --model M --codebooks-only`, shipped for
