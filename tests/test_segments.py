@@ -94,7 +94,7 @@ def _flush(layer, ref, residual) -> bool:
     Returns whether it moved any."""
     before = sum(not exact for row in ref.tokens for held in row for _, _, exact in held.values())
     positions, valid = layer.key_positions(), layer.key_valid()
-    layer.flush_low_bit(residual, GROUP, lambda k, v, ok: encode_kivi(k, v, ok, 4, GROUP))
+    layer.flush_low_bit(residual, GROUP, lambda k, v, ok, at: encode_kivi(k, v, ok, 4, GROUP))
     low = layer.codes[0] if layer.codes else None
     if low is None:
         return False
@@ -184,7 +184,7 @@ def test_flat_low_bit_segments_round_trip_through_rows():
     indices = order[..., :64]
     ok = torch.arange(64) < counts[..., None]
     layer.keep(indices, ok)
-    layer.flush_low_bit(8, GROUP, lambda k, v, o: encode_kivi(k, v, o, 4, GROUP))
+    layer.flush_low_bit(8, GROUP, lambda k, v, o, at: encode_kivi(k, v, o, 4, GROUP))
     assert layer.codes[0].flat and layer.is_flat
     before = {(b, h): set(layer.key_positions()[b, h][layer.key_valid()[b, h]].tolist())
               for b in range(3) for h in range(2)}
