@@ -126,41 +126,41 @@ class VQCodes:
         batch, heads = self.batch_heads
         return torch.arange(heads, device=self.device).view(1, heads, 1).expand(batch, heads, end - start)
 
-    def _decoded(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """fp32 keys before RoPE and values [b, h, end - start, D] of a block of slots."""
+    def _decoded(self, kind: str, start: int, end: int) -> torch.Tensor:
+        """fp32 vectors [b, h, end - start, D] of one kind ('keys', before RoPE, or 'values') of a block of slots."""
         n_keys, n_values = self.book.codes_per_slot("keys"), self.book.codes_per_slot("values")
         codes = unpack12(self.codes[:, :, start:end], n_keys + n_values)
-        heads = None if self.head is None else self._heads(start, end)
-        out = []
-        for kind, part, norms in (("keys", codes[..., :n_keys], self.k_norm), ("values", codes[..., n_keys:],
-                                                                               self.v_norm)):
-            tables = getattr(self.book, kind)
-            groups, stages, pairs = tables.shape[1:4]
-            norms = norms[:, :, start:end]
-            part = part.view(*norms.shape, groups, stages)
-            if self.head is None:  # a rectangle: head h is dim 1's h
-                vectors = torch.stack([decode(part[:, h], norms[:, h], self.book.weights(kind, h, self.device))
-                                       for h in range(tables.shape[0])], 1)
-            else:
-                vectors = torch.zeros(*norms.shape, 2 * groups * pairs, device=self.device)
-                for h in range(tables.shape[0]):
-                    at = heads == h
-                    if bool(at.any()):
-                        vectors[at] = decode(part[at], norms[at], self.book.weights(kind, h, self.device))
-            out.append(vectors)
-        return out[0], out[1]
+        part = codes[..., :n_keys] if kind == "keys" else codes[..., n_keys:]
+        norms = (self.k_norm if kind == "keys" else self.v_norm)[:, :, start:end]
+        tables = getattr(self.book, kind)
+        groups, stages, pairs = tables.shape[1:4]
+        part = part.view(*norms.shape, groups, stages)
+        if self.head is None:  # a rectangle: head h is dim 1's h
+            return torch.stack([decode(part[:, h], norms[:, h], self.book.weights(kind, h, self.device))
+                                for h in range(tables.shape[0])], 1)
+        heads = self._heads(start, end)
+        vectors = torch.zeros(*norms.shape, 2 * groups * pairs, device=self.device)
+        for h in range(tables.shape[0]):
+            at = heads == h
+            if bool(at.any()):
+                vectors[at] = decode(part[at], norms[at], self.book.weights(kind, h, self.device))
+        return vectors
 
     def dequantize(self, start: int, end: int, precision: int | None = None):
         """fp32 keys (post-RoPE) and values [b, h, end - start, D] of a block of slots."""
-        keys, values = self._decoded(start, end)
+        return self._rotated_keys(start, end), self._decoded("values", start, end)
+
+    def _rotated_keys(self, start: int, end: int) -> torch.Tensor:
+        """fp32 post-RoPE keys [b, h, end - start, D]: decoded, then rotated at each slot's RoPE position."""
+        keys = self._decoded("keys", start, end)
         cos, sin = self.book.cos_sin(self.rope_positions(start, end), keys)
-        return apply_rotary(keys.reshape(-1, 1, 1, keys.shape[-1]), cos, sin).view_as(keys), values
+        return apply_rotary(keys.reshape(-1, 1, 1, keys.shape[-1]), cos, sin).view_as(keys)
 
     def readable_keys(self, dtype: torch.dtype) -> torch.Tensor:
-        return self.dequantize(0, self.num_slots)[0].to(dtype)
+        return self._rotated_keys(0, self.num_slots).to(dtype)  # (the values are not decoded)
 
     def readable_values(self, dtype: torch.dtype) -> torch.Tensor:
-        return self._decoded(0, self.num_slots)[1].to(dtype)
+        return self._decoded("values", 0, self.num_slots).to(dtype)
 
     # -- the Payload protocol
     def gather(self, indices: torch.Tensor, real: torch.Tensor | None = None) -> "VQCodes":
@@ -169,14 +169,11 @@ class VQCodes:
                                 for name in self._per_slot() for t in [getattr(self, name)]})
 
     def cat(self, other: "VQCodes") -> "VQCodes":
-        if self.rope is None and other.rope is None and torch.equal(other.rope_start,
-                                                                    self.rope_start + self.num_slots):
-            merged = replace(self, rope=None)  # still consecutive: the positions stay implicit
-        else:
-            self, other = self._explicit(), other._explicit()
-            merged = self
-        return replace(merged, **{name: torch.cat([getattr(self, name), getattr(other, name)], 2)
-                                  for name in merged._per_slot()})
+        if not (self.rope is None and other.rope is None and torch.equal(other.rope_start,
+                                                                         self.rope_start + self.num_slots)):
+            self, other = self._explicit(), other._explicit()  # (else still consecutive: positions stay implicit)
+        return replace(self, **{name: torch.cat([getattr(self, name), getattr(other, name)], 2)
+                                for name in self._per_slot()})
 
     def flatten(self, ok: torch.Tensor) -> "VQCodes":
         """The slots where ok [b, h, t] as one flat store [1, 1, N], each slot with its KV head."""
