@@ -35,7 +35,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from . import arguments
 from .cache import KVPressCache
 from .channels import label_channels
-from .codebooks import default_stages, fit_codebooks
+from .codebooks import fit_codebooks
 from .formats.calibration import FILE_NAME, Calibration, model_identity  # noqa: F401 (this module's public names)
 from .integrations import patch_model
 from .integrations.hf import with_cache
@@ -282,12 +282,10 @@ def calibrate(model, tokenizer, kind: str = "linear", target: str = "kvzip", n_t
 def add_codebooks(calibration: Calibration, model, texts: list, stages: int | None, log=print) -> None:
     """Fit CommVQ's codebooks (kvpress/codebooks.py) on `texts`, `stages` stages (None: default_stages of the model's
     heads), and put them in `calibration`."""
-    config = model.config.get_text_config(decoder=True)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    stages = default_stages(head_dim) if stages is None else stages
     fitted = fit_codebooks(model, texts, calibration.layers, stages, log=log)
     calibration.codebooks = {kind: fitted[kind] for kind in ("keys", "values")}
-    calibration.settings["codebooks"] = dict(texts=len(texts), tokens=max(len(t) for t in texts), stages=stages)
+    calibration.settings["codebooks"] = dict(texts=len(texts), tokens=max(len(t) for t in texts),
+                                             stages=fitted["keys"].shape[3])
     calibration.metrics["codebook_held_out_relative_error"] = {kind: round(float(fitted[f"{kind}_errors"].mean()), 4)
                                                                for kind in ("key", "value")}
 

@@ -103,10 +103,12 @@ class _KVRecorder(Policy):
         self.records.setdefault(ctx.layer_idx, []).append((pre_rope, values))
 
 
-def fit_codebooks(model, texts: list, layers: list, stages: int, iters: int = 5, seed: int = 0, log=print) -> dict:
-    """{"keys", "values"}: tables [L, Hkv, G, S, P, 64] complex64 per layer of `layers` (in order), fitted to every
-    token of `texts` (token id lists) but the last text's, and "key_errors", "value_errors": [L, Hkv] the mean relative
-    error |x - decoded| / |x| of the last text's vectors (held out), with every stage."""
+def fit_codebooks(model, texts: list, layers: list, stages: int | None = None, iters: int = 5, seed: int = 0,
+                  log=print) -> dict:
+    """{"keys", "values"}: tables [L, Hkv, G, S, P, 64] complex64 per layer of `layers` (in order), S = `stages`
+    (None: default_stages of the recorded heads), fitted to every token of `texts` (token id lists) but the last
+    text's, and "key_errors", "value_errors": [L, Hkv] the mean relative error |x - decoded| / |x| of the last text's
+    vectors (held out), with every stage."""
     records: dict = {}
     device = next(model.parameters()).device
     with torch.no_grad(), patch_model(model, _KVRecorder(records=records)):
@@ -118,8 +120,8 @@ def fit_codebooks(model, texts: list, layers: list, stages: int, iters: int = 5,
         for kind, at in (("keys", 0), ("values", 1)):
             data = torch.cat([r[at] for r in records[layer][:-1]], 1)  # [Hkv, N, D]
             held_out = records[layer][-1][at]
-            pairs = group_pairs(data.shape[-1])
-            tables = torch.stack([fit_tables(data[h], pairs, stages, iters, seed=seed)[0] for h in range(len(data))])
+            pairs, count = group_pairs(data.shape[-1]), default_stages(data.shape[-1]) if stages is None else stages
+            tables = torch.stack([fit_tables(data[h], pairs, count, iters, seed=seed)[0] for h in range(len(data))])
             out[kind].append(tables)
             out[kind[:-1] + "_errors"].append(torch.stack([_relative_error(held_out[h], tables[h])
                                                            for h in range(len(data))]))
