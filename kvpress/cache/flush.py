@@ -122,9 +122,9 @@ def _flush_flat(layer, residual: int, group: int, encode, partition) -> None:
     # Encode the moved tokens per head (groups never span two heads): as a rectangle padded with invalid
     # fillers, which never stretch a group's range, then flattened without them.
     real = move[..., :width]
+    at = fp.view(fp.positions)[..., :width]
     moved = _encoded(encode, partition, fp.view(fp.data.keys)[:, :, :width], fp.view(fp.data.values)[:, :, :width],
-                     real, fp.view(fp.positions)[..., :width], fp.view(fp.positions)[..., :width], real,
-                     {n: fp.view(s)[..., :width] for n, s in fp.state.items()})
+                     real, at, at, real, {n: fp.view(s)[..., :width] for n, s in fp.state.items()})
     codes = _joined(layer.codes, [m.to_flat(0) for m in moved], Segment.cat_runs)
     keep = ok & ~move
     if _rows_differ_only(keep.sum(-1)):
@@ -165,9 +165,9 @@ def _flush_right_aligned_tail(layer, counts: torch.Tensor, n_move: torch.Tensor,
     at = (lead[..., None] + rank).clamp(max=max(total - 1, 0))  # [B, H, width]: the oldest real slots
     real = rank < n_move[..., None]
     positions = tail.view_positions(0, *layer.batch_heads, layer.device)
+    moved_positions = positions.gather(-1, at)
     moved = _encoded(encode, partition, take_slots(tail.data.keys, at), take_slots(tail.data.values, at), real,
-                     positions.gather(-1, at), positions.gather(-1, at), real,
-                     {n: s.gather(-1, at) for n, s in tail.state.items()})
+                     moved_positions, moved_positions, real, {n: s.gather(-1, at) for n, s in tail.state.items()})
     stay = slice(total - keep_width, total)
     valid = slots[stay] >= (lead + n_move)[..., None]
     layer.segments = [*_joined(codes, [m.to_flat(0) for m in moved], Segment.cat_runs), Segment(
