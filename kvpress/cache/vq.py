@@ -126,10 +126,15 @@ class VQCodes:
         batch, heads = self.batch_heads
         return torch.arange(heads, device=self.device).view(1, heads, 1).expand(batch, heads, end - start)
 
-    def _decoded(self, kind: str, start: int, end: int) -> torch.Tensor:
-        """fp32 vectors [b, h, end - start, D] of one kind ('keys', before RoPE, or 'values') of a block of slots."""
-        n_keys, n_values = self.book.codes_per_slot("keys"), self.book.codes_per_slot("values")
-        codes = unpack12(self.codes[:, :, start:end], n_keys + n_values)
+    def _unpacked(self, start: int, end: int) -> torch.Tensor:
+        """int64 [b, h, end - start, n] the key codes, then the value codes, of a block of slots."""
+        count = self.book.codes_per_slot("keys") + self.book.codes_per_slot("values")
+        return unpack12(self.codes[:, :, start:end], count)
+
+    def _decoded(self, kind: str, codes: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """fp32 vectors [b, h, end - start, D] of one kind ('keys', before RoPE, or 'values') of a block of slots, from
+        its unpacked `codes`."""
+        n_keys = self.book.codes_per_slot("keys")
         part = codes[..., :n_keys] if kind == "keys" else codes[..., n_keys:]
         norms = (self.k_norm if kind == "keys" else self.v_norm)[:, :, start:end]
         tables = getattr(self.book, kind)
@@ -148,19 +153,20 @@ class VQCodes:
 
     def dequantize(self, start: int, end: int, precision: int | None = None):
         """fp32 keys (post-RoPE) and values [b, h, end - start, D] of a block of slots."""
-        return self._rotated_keys(start, end), self._decoded("values", start, end)
+        codes = self._unpacked(start, end)  # (once for both kinds)
+        return self._rotated_keys(codes, start, end), self._decoded("values", codes, start, end)
 
-    def _rotated_keys(self, start: int, end: int) -> torch.Tensor:
+    def _rotated_keys(self, codes: torch.Tensor, start: int, end: int) -> torch.Tensor:
         """fp32 post-RoPE keys [b, h, end - start, D]: decoded, then rotated at each slot's RoPE position."""
-        keys = self._decoded("keys", start, end)
+        keys = self._decoded("keys", codes, start, end)
         cos, sin = self.book.cos_sin(self.rope_positions(start, end), keys)
         return apply_rotary(keys.reshape(-1, 1, 1, keys.shape[-1]), cos, sin).view_as(keys)
 
     def readable_keys(self, dtype: torch.dtype) -> torch.Tensor:
-        return self._rotated_keys(0, self.num_slots).to(dtype)  # (the values are not decoded)
+        return self._rotated_keys(self._unpacked(0, self.num_slots), 0, self.num_slots).to(dtype)  # (no values)
 
     def readable_values(self, dtype: torch.dtype) -> torch.Tensor:
-        return self._decoded("values", 0, self.num_slots).to(dtype)
+        return self._decoded("values", self._unpacked(0, self.num_slots), 0, self.num_slots).to(dtype)
 
     # -- the Payload protocol
     def gather(self, indices: torch.Tensor, real: torch.Tensor | None = None) -> "VQCodes":
