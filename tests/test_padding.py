@@ -26,6 +26,7 @@ PARAMS = {
     "tova": dict(compression_ratio=0.6),
     "knorm": dict(compression_ratio=0.6),
     "streaming_llm": dict(compression_ratio=0.6),
+    "freqkv": dict(compression_ratio=0.6, recent=3),
     "random": dict(compression_ratio=0.6),
     "expected_attention": dict(compression_ratio=0.6),
     "keydiff": dict(compression_ratio=0.6),

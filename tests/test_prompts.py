@@ -113,6 +113,7 @@ def test_evicted_tokens():
     ("h2o", dict(compression_ratio=0.5, decode_budget=8), "decode_budget=8"),
     ("tova", dict(compression_ratio=0.5, slack=4), "slack=4"),
     ("duo_attention", {}, "query rows"),
+    ("freqkv", dict(compression_ratio=0.5, cache_local_positions=False), "merges tokens"),
 ])
 def test_what_an_engine_cannot_serve_is_refused(policy, params, message):
     with pytest.raises(ValueError, match=message):

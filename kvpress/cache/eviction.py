@@ -1,5 +1,6 @@
 """Eviction in a KVPressLayer (layer.py): compacting the layer to the slots a policy keeps, sorting after an
-in-place eviction, the in-place eviction itself (replace_newest), and padding a flat layer back into a rectangle.
+in-place eviction, the in-place eviction itself (replace_newest), padding a flat layer back into a rectangle, and
+replacing every slot by synthesised ones (rewrite: FreqKV's frequency-domain merge of old tokens).
 
 The layout rule lives here, in one place (`compact`): a keep that leaves the heads of a row with different counts
 makes the layer flat unless it holds rectangular low-bit codes (then heads get invalid filler slots); a flat layer
@@ -143,3 +144,19 @@ def to_rectangular(layer) -> None:
              {n: layer.get_state(n) for n in names})
     layer.segments = [Segment(FullPrecision(views[0], views[1]), views[2], views[3], views[4])]
     layer.derived = {}
+
+
+def rewrite(layer, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+            valid: torch.Tensor | None) -> None:
+    """Replace every stored slot by new ones, one full-precision rectangle: keys / values [B, Hkv, T, D], positions
+    [B, Hkv, T] (each slot's position, in position order per head) and validity (None: all real). For a policy that
+    synthesises slots from old ones (FreqKV): per-slot policy state described the old slots and goes; a rollback
+    cannot go back before it. Refused over low-bit codes, which the new slots would silently replace."""
+    if layer.codes:
+        raise RuntimeError("rewrite: a layer holding low-bit codes cannot be rewritten in full precision")
+    layer.segments = [Segment(FullPrecision(keys, values), positions.to(torch.int32), valid)]
+    layer.room = None
+    layer.explicit_positions = True
+    layer.sorted = True
+    layer.derived = {}
+    layer.mark_changed()

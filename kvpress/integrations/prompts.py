@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ..cache import KVPressLayer
-from ..policies import Codec, Context, Policy, ReadView, StorageTier
+from ..policies import Codec, Context, Merger, Policy, ReadView, StorageTier
 from ..policies.allocation import whole_pages
 from ..positions import Rotary
 
@@ -33,6 +33,9 @@ def check_servable(policy: Policy) -> None:
     if isinstance(policy, (Codec, StorageTier)) or len(policy.parts()) > 1:
         raise ValueError(f"policy={policy.describe()!r}: low-bit storage (kivi, gear) and storage tiers (shadowkv) "
                          f"need kvpress's own cache layout, not the engine's pages; allowed: an eviction policy alone")
+    if isinstance(policy, Merger):
+        raise ValueError(f"policy={name!r} merges tokens into synthetic ones; an engine keeps a subset of the prompt's "
+                         f"own tokens in its pages; allowed: an eviction policy")
     if isinstance(policy, ReadView):
         raise ValueError(f"policy={name!r} is a read policy (it evicts nothing, it picks what each decode step reads); "
                          f"allowed: an eviction policy")

@@ -1,7 +1,7 @@
 """Policies: one small file each, registered by name."""
 
 from .base import (AllocatedBudgetPolicy, BudgetPolicy, Codec, Context, DecodeEviction, Policy, ReadView, ScorerPolicy,
-                   StorageTier, select_kept)
+                   StorageTier, Merger, select_kept)
 from .registry import get_policy_class, list_policies, register, resolve_policy
 from .none import NoCompression
 from .knorm import Knorm
@@ -11,6 +11,7 @@ from .snapkv import SnapKV
 from .h2o import H2O
 from .keyformer import Keyformer
 from .streaming_llm import StreamingLLM
+from .freqkv import FreqKV
 from .kvzip import KVzip
 from .laq import LookaheadQCache
 from .expected_attention import ExpectedAttention
@@ -33,8 +34,8 @@ from .shadowkv import ShadowKV, ShadowKVView
 
 __all__ = [
     "Policy", "BudgetPolicy", "AllocatedBudgetPolicy", "ScorerPolicy", "Context", "select_kept",
-    "Codec", "ReadView", "DecodeEviction", "StorageTier",
+    "Codec", "ReadView", "DecodeEviction", "StorageTier", "Merger",
     "register", "list_policies", "get_policy_class", "resolve_policy",
-    "NoCompression", "Knorm", "RandomPolicy", "TOVA", "SnapKV", "H2O", "Keyformer", "StreamingLLM", "KVzip", "LookaheadQCache", "ExpectedAttention", "KeyDiff", "KVzap", "DuoAttention",
+    "NoCompression", "Knorm", "RandomPolicy", "TOVA", "SnapKV", "H2O", "Keyformer", "StreamingLLM", "FreqKV", "KVzip", "LookaheadQCache", "ExpectedAttention", "KeyDiff", "KVzap", "DuoAttention",
     "KIVI", "GEAR", "ZipCache", "CommVQ", "Composed", "ReadPolicy", "Quest", "Retrieval", "TopK", "SinkWindow", "TokenSelect", "RecycledAttention", "HiP", "TidalDecode", "LServe", "DoubleSparsity", "ShadowKV", "ShadowKVView", "Quant4View",
 ]

@@ -8,6 +8,9 @@ integration, speculative decoding, evals, serving) asks one question the same wa
   DecodeEviction  may evict while decoding: on_decode compacts the layer (H2O, TOVA, StreamingLLM, DuoAttention).
   StorageTier     moves the prompt into a storage of its own at its end, which decides what each step reads
                   (ShadowKV's low-rank keys and file-tier values); evicts nothing, composes with nothing.
+  Merger          replaces old slots by fewer synthetic ones that no token had (FreqKV's frequency-domain merge):
+                  what it keeps is not a subset of the tokens, so an engine that frees evicted tokens' pages cannot
+                  run it, and no codec can hold slots it rewrites again.
   key rewriting   `Policy.rewrites_keys` / `Policy.key_view`: attention reads rewritten keys. A property, not a
                   type: it depends on a hyper-parameter (StreamingLLM's cache_local_positions).
 A composition (compose.Composed) has no role of its own: ask its parts (Policy.parts()). Every role that changes
@@ -71,3 +74,12 @@ class StorageTier(Policy):
     @property
     def decode_change(self) -> str:
         return "reads a selection of its stored prompt at every decode step"
+
+
+@dataclass
+class Merger(Policy):
+    """Merges old slots into fewer synthetic ones (FreqKV), in place of evicting some of them."""
+
+    @property
+    def decode_change(self) -> str:
+        return "merges old tokens into fewer synthetic ones when the cache fills while decoding"

@@ -1,6 +1,7 @@
 """Selection: the one place where scores become kept slots, and the slot masks policies protect.
 
-  by position   first_slots, last_slots, position_rank: the oldest / newest slots of each row and KV head
+  by position   first_slots, last_slots, position_rank: the oldest / newest slots of each row and KV head;
+                cache_local_keys: keys re-rotated to contiguous positions behind the newest (StreamingLLM, FreqKV)
   by score      select_kept (top-n per row and head, protected first), keep_best (and the in-place eviction of
                 one slot per head), evict_to_budget (a layer under a budget and an allocation)
   after prompt  evict_after_prompt: every layer at once, once the whole prompt went through the model
@@ -15,6 +16,7 @@ import math
 import torch
 
 from ..heads import SINGLE, HeadShards
+from ..positions import rotate_keys
 from .allocation import adaptive_head_budgets, comparable, global_budgets
 from .protocol import ModelPass
 
@@ -45,6 +47,20 @@ def position_rank(layer, among: torch.Tensor | None = None, newest_first: bool =
     far = torch.iinfo(torch.long).min if newest_first else torch.iinfo(torch.long).max
     order = positions.masked_fill(~among, far).argsort(dim=-1, descending=newest_first, stable=True)
     return order.argsort(-1)
+
+
+def cache_local_keys(layer, keys: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """The layer's keys [B, Hkv, T, D] (over its padded view) re-rotated so that each row's real slots sit at
+    contiguous positions ending at its newest one (the paper's cache-local positions, relative to the query): the
+    slot of rank r among n moves to (newest position) - (n - 1 - r). Rotating the stored keys once per read, by
+    their offset, accumulates no rounding error."""
+    valid = layer.key_valid()
+    positions = layer.key_positions().long()
+    rank = position_rank(layer, valid)
+    n_valid = valid.sum(-1, keepdim=True)
+    newest = positions.masked_fill(~valid, -1).amax(-1, keepdim=True)
+    delta = (newest - (n_valid - 1 - rank)) - positions
+    return rotate_keys(keys, delta.masked_fill(~valid, 0), inv_freq)
 
 
 def _by_position(layer, n, among, newest, positions=None):

@@ -2,12 +2,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..positions import rotate_keys
 from .context import Context
 from .protocol import Needs
 from .roles import DecodeEviction
 from .scorer import ScorerPolicy
-from .selection import first_slots, position_rank
+from .selection import cache_local_keys, first_slots
 from .registry import register
 
 
@@ -110,11 +109,4 @@ class StreamingLLM(ScorerPolicy, DecodeEviction):
     def key_view(self, ctx: Context) -> torch.Tensor:
         if not self.cache_local_positions or not ctx.layer.explicit_positions:
             return ctx.keys
-        # Slot of rank r among a row's n real slots moves to position (newest position) - (n - 1 - r).
-        valid = ctx.layer.key_valid()
-        positions = ctx.layer.key_positions().long()
-        rank = position_rank(ctx.layer, valid)
-        n_valid = valid.sum(-1, keepdim=True)
-        newest = positions.masked_fill(~valid, -1).amax(-1, keepdim=True)
-        delta = (newest - (n_valid - 1 - rank)) - positions
-        return rotate_keys(ctx.keys, delta.masked_fill(~valid, 0), ctx.rotary.inv_freq())
+        return cache_local_keys(ctx.layer, ctx.keys, ctx.rotary.inv_freq())
