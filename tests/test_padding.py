@@ -49,6 +49,7 @@ PARAMS = {
     "lserve": dict(budget=32, page_size=8, sub_pages=2, n_sink=2, local=8, calibration=None),
     "double_sparsity": dict(budget=16, group_factor=4, dense_layers=1, calibration=None),
     "shadowkv": dict(budget=16, chunk_size=4, local_chunks=2, outlier_chunks=2),
+    "subgen": dict(compression_ratio=0.6, n_sink=2, recent=8),
 }
 COMPOSED = {
     "snapkv+kivi": dict(compression_ratio=0.6, window_size=8, bits=2, group_size=16, residual_length=16),
@@ -118,7 +119,7 @@ def test_slack_cuts_each_row_on_its_own_schedule():
     _assert_rows_as_alone("h2o", dict(budget=80, slack=3))
 
 
-CHUNKABLE = sorted(set(PARAMS) - {"laq", "kivi", "gear", "zipcache", "commvq", "quest", "retrieval", "sink_window", "topk", "token_select", "recycled_attention", "hip", "tidal_decode", "lserve", "double_sparsity", "shadowkv"})
+CHUNKABLE = sorted(set(PARAMS) - {"laq", "kivi", "gear", "zipcache", "commvq", "quest", "retrieval", "sink_window", "topk", "token_select", "recycled_attention", "hip", "tidal_decode", "lserve", "double_sparsity", "shadowkv", "subgen"})
 
 
 @pytest.mark.parametrize("name", CHUNKABLE)

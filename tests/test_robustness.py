@@ -24,7 +24,7 @@ from test_speculative import DRAFT_PARAMS
 
 THREAD_POLICIES = [("snapkv", dict(compression_ratio=0.5)), ("h2o", dict(compression_ratio=0.5)),
                    ("keyformer", dict(compression_ratio=0.5)), ("tova", dict(compression_ratio=0.5)), ("streaming_llm", dict(compression_ratio=0.5)),
-                   ("freqkv", dict(compression_ratio=0.5)),
+                   ("freqkv", dict(compression_ratio=0.5)), ("subgen", dict(compression_ratio=0.5, recent=8)),
                    ("expected_attention", dict(compression_ratio=0.5)), ("kivi", dict(bits=4, group_size=16,
                                                                                       residual_length=16)),
                    ("quest", dict(budget=24)), ("token_select", dict(budget=24, n_init=2, n_local=6)), ("kvzip", dict(compression_ratio=0.5, tokenizer=TOK)),

@@ -17,6 +17,7 @@ from ..kernels.quant_attention import flat_lowbit_attention_state, lowbit_attent
 from ..kernels.sparse_attention import GATHER_SLOTS, flat_attention_state, sparse_attention
 from .segments import CODES, DENSE, FLAT, FLAT_CODES
 from .shadow import SHADOW
+from .sketch import SKETCH
 from .vq import VQ
 from .view import view_part
 
@@ -62,8 +63,11 @@ def _flat_codes_state(layer, segment, offset, queries, state, precision, use_tri
     return flat_lowbit_attention_state(queries, segment.data, segment.positions, segment.lengths, state, precision)
 
 
-def _shadow_state(layer, segment, offset, queries, state, precision, use_triton, tail):
+def _own_state(layer, segment, offset, queries, state, precision, use_triton, tail):
+    """A payload that reads itself (ShadowKV's tiers, SubGen's sketch), given its slots' positions and validity."""
     batch, heads = layer.batch_heads
+    if state is None:
+        state = empty_state(queries.grouped(heads))
     return segment.data.attention_state(queries, segment.view_positions(offset, batch, heads, layer.device),
                                         segment.valid, state)
 
@@ -111,7 +115,8 @@ READERS = {
     FLAT: SegmentReader(_flat_state, reads_tail=True, key_logits=_logits_of_view),
     CODES: SegmentReader(_codes_state, reads_tail=True, key_logits=_logits_in_blocks),  # KIVI's layout
     FLAT_CODES: SegmentReader(_flat_codes_state, reads_tail=False, key_logits=_logits_of_view),
-    SHADOW: SegmentReader(_shadow_state, reads_tail=False, key_logits=_logits_of_view),  # ShadowKV's two tiers
+    SHADOW: SegmentReader(_own_state, reads_tail=False, key_logits=_logits_of_view),  # ShadowKV's two tiers
+    SKETCH: SegmentReader(_own_state, reads_tail=False, key_logits=_logits_of_view),  # SubGen's weighted samples
     VQ: SegmentReader(_vq_state, reads_tail=False, key_logits=_logits_of_view),  # CommVQ's codes
 }
 

@@ -31,11 +31,12 @@ from .tidal_decode import TidalDecode
 from .lserve import LServe
 from .double_sparsity import DoubleSparsity
 from .shadowkv import ShadowKV, ShadowKVView
+from .subgen import SubGen
 
 __all__ = [
     "Policy", "BudgetPolicy", "AllocatedBudgetPolicy", "ScorerPolicy", "Context", "select_kept",
     "Codec", "ReadView", "DecodeEviction", "StorageTier", "Merger",
     "register", "list_policies", "get_policy_class", "resolve_policy",
     "NoCompression", "Knorm", "RandomPolicy", "TOVA", "SnapKV", "H2O", "Keyformer", "StreamingLLM", "FreqKV", "KVzip", "LookaheadQCache", "ExpectedAttention", "KeyDiff", "KVzap", "DuoAttention",
-    "KIVI", "GEAR", "ZipCache", "CommVQ", "Composed", "ReadPolicy", "Quest", "Retrieval", "TopK", "SinkWindow", "TokenSelect", "RecycledAttention", "HiP", "TidalDecode", "LServe", "DoubleSparsity", "ShadowKV", "ShadowKVView", "Quant4View",
+    "KIVI", "GEAR", "ZipCache", "CommVQ", "Composed", "ReadPolicy", "Quest", "Retrieval", "TopK", "SinkWindow", "TokenSelect", "RecycledAttention", "HiP", "TidalDecode", "LServe", "DoubleSparsity", "ShadowKV", "ShadowKVView", "SubGen", "Quant4View",
 ]

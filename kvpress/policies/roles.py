@@ -6,8 +6,8 @@ integration, speculative decoding, evals, serving) asks one question the same wa
   ReadView        picks the slots each decode step reads (`select(ctx)`); evicts nothing (Quest, Retrieval, TopK,
                   SinkWindow). Used alone, or as the draft view of self-speculative decoding.
   DecodeEviction  may evict while decoding: on_decode compacts the layer (H2O, TOVA, StreamingLLM, DuoAttention).
-  StorageTier     moves the prompt into a storage of its own at its end, which decides what each step reads
-                  (ShadowKV's low-rank keys and file-tier values); evicts nothing, composes with nothing.
+  StorageTier     moves the prompt into a storage of its own at its end, read by that storage's own reader
+                  (ShadowKV's low-rank keys and file-tier values, SubGen's weighted samples); composes with nothing.
   Merger          replaces old slots by fewer synthetic ones that no token had (FreqKV's frequency-domain merge):
                   what it keeps is not a subset of the tokens, so an engine that frees evicted tokens' pages cannot
                   run it, and no codec can hold slots it rewrites again.
@@ -69,11 +69,12 @@ class DecodeEviction(Policy):
 
 @dataclass
 class StorageTier(Policy):
-    """Stores each layer's prompt in a payload kind of its own (cache/shadow.py), read by that kind's reader."""
+    """Stores each layer's prompt in a payload kind of its own (cache/shadow.py, cache/sketch.py), read by that kind's
+    reader."""
 
     @property
     def decode_change(self) -> str:
-        return "reads a selection of its stored prompt at every decode step"
+        return "reads its stored prompt through a reader of its own at every decode step"
 
 
 @dataclass

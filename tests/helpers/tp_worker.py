@@ -21,6 +21,7 @@ CONFIGS = [  # (label, policy, params)
     ("tova", "tova", dict(compression_ratio=0.5)),
     ("streaming_llm", "streaming_llm", dict(compression_ratio=0.5)),
     ("freqkv", "freqkv", dict(compression_ratio=0.5)),
+    ("subgen", "subgen", dict(compression_ratio=0.5, recent=8)),
     ("knorm", "knorm", dict(compression_ratio=0.5)),
     ("random", "random", dict(compression_ratio=0.5)),
     ("expected_attention adaptive", "expected_attention", dict(compression_ratio=0.5, budget_allocation="adaptive")),
