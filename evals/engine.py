@@ -33,7 +33,7 @@ import torch
 import kvpress
 from kvpress import KVPressCache
 from kvpress.integrations.hf import with_cache
-from kvpress.policies import DecodeEviction, Policy, ScorerPolicy, resolve_policy
+from kvpress.policies import DecodeEviction, Policy, ScorerPolicy, Summarizer, resolve_policy
 from kvpress.policies.base import Needs, evict_to_budget
 from kvpress.policies.registry import get_policy_class
 
@@ -210,9 +210,10 @@ def _passive(policy: Policy) -> bool:
 
 
 def _rowwise(policy: Policy) -> bool:
-    """Evicts while decoding through ScorerPolicy's own path (H2O, TOVA, StreamingLLM): Rows can run it."""
+    """Evicts while decoding through ScorerPolicy's own path (H2O, TOVA, StreamingLLM): Rows can run it (not LESS,
+    whose reads add the summary of what it evicted)."""
     return (isinstance(policy, ScorerPolicy) and isinstance(policy, DecodeEviction) and policy.decode_budget is None
-            and policy.slack == 0 and not policy.rewrites_keys)
+            and policy.slack == 0 and not policy.rewrites_keys and not isinstance(policy, Summarizer))
 
 
 @dataclass

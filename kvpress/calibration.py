@@ -12,8 +12,8 @@ KVzip+ with target='kvzip_plus'.
 The same replay also ranks heads (DuoAttention, arXiv 2410.10819, by measurement instead of optimisation): for a
 sample of replay queries, the relative change of each KV head's attention output when it may read only the first
 `sink` tokens and the `window` newest ones. Reconstructing the context needs the heads that look far back; heads
-whose output barely changes are streaming heads. The same texts give Double Sparsity's label channels (channels.py)
-and CommVQ's codebooks (codebooks.py).
+whose output barely changes are streaming heads. The same texts give Double Sparsity's label channels (channels.py),
+CommVQ's codebooks (codebooks.py) and LESS's feature maps (less_fit.py).
 
 The file itself (format, identity check, prediction) is kvpress/formats/calibration.py.
 """
@@ -39,6 +39,7 @@ from .codebooks import fit_codebooks
 from .formats.calibration import FILE_NAME, Calibration, model_identity  # noqa: F401 (this module's public names)
 from .integrations import patch_model
 from .integrations.hf import with_cache
+from .less_fit import fit_maps
 from .needle import haystack_sentences
 from .policies.base import Context, ModelPass, Needs
 from .policies.kvzip import KVzip
@@ -274,6 +275,7 @@ def calibrate(model, tokenizer, kind: str = "linear", target: str = "kvzip", n_t
                       n_sink, seed, settings)
     calibration.channels = label_channels(model, texts, calibration.layers)  # Double Sparsity's, from the same texts
     add_codebooks(calibration, model, texts, codebook_stages, log)
+    add_less(calibration, model, texts, log)
     calibration.metrics["seconds"] = round(time.perf_counter() - start, 1)
     log(f"held-out agreement with KVzip: {calibration.metrics}")
     return calibration
@@ -288,6 +290,16 @@ def add_codebooks(calibration: Calibration, model, texts: list, stages: int | No
                                              stages=fitted["keys"].shape[3])
     calibration.metrics["codebook_held_out_relative_error"] = {kind: round(float(fitted[f"{kind}_errors"].mean()), 4)
                                                                for kind in ("key", "value")}
+
+
+def add_less(calibration: Calibration, model, texts: list, log=print) -> None:
+    """Fit LESS's feature maps (kvpress/less_fit.py) on `texts` (the last one held out) and put them in `calibration`."""
+    fitted = fit_maps(model, texts, calibration.layers, log=log)
+    calibration.less = fitted["maps"]
+    calibration.settings["less"] = dict(texts=len(texts), tokens=max(len(t) for t in texts), heavy_ratio=0.1,
+                                        recent_ratio=0.1, steps=240, held_out=1)
+    calibration.metrics["less_held_out_loss"] = {kind: round(sum(v) / len(v), 6) for kind, v in (
+        ("less", fitted["held_out_loss"]), ("h2o_alone", fitted["h2o_loss"]))}
 
 
 def fit(records: list, identity: dict, kind: str = "linear", held_out: int = 1, tokens_per_text: int | None = None,
@@ -336,6 +348,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--codebook-stages", type=int, default=None,
                         help="residual stages of CommVQ's codebooks, the most commvq may use (default: about 2 bits "
                              "per number, 9 for 64-channel heads)")
+    parser.add_argument("--less-only", action="store_true",
+                        help="add LESS's feature maps to the existing file at --out (the rest stays as it is); minutes "
+                             "on a CPU")
     return parser
 
 
@@ -349,7 +364,8 @@ def main(argv=None) -> None:
         out = arguments.writable_file("--out", Path(args.out) if args.out else source / FILE_NAME)
         if args.codebook_stages is not None:
             arguments.at_least("--codebook-stages", args.codebook_stages, 1, " (residual stages)")
-        for flag, what in (("channels_only", "label channels"), ("codebooks_only", "CommVQ's codebooks")):
+        for flag, what in (("channels_only", "label channels"), ("codebooks_only", "CommVQ's codebooks"),
+                           ("less_only", "LESS's feature maps")):
             if getattr(args, flag) and not out.is_file():
                 option = "--" + flag.replace("_", "-")
                 raise ValueError(f"--out {out}: {option} adds {what} to an existing calibration file, and there is "
@@ -359,12 +375,14 @@ def main(argv=None) -> None:
     torch.set_grad_enabled(False)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, args.dtype)).eval()
     tokenizer = AutoTokenizer.from_pretrained(source)
-    if args.channels_only or args.codebooks_only:
+    if args.channels_only or args.codebooks_only or args.less_only:
         calibration = Calibration.load(out)
         if calibration.identity != model_identity(model):
             parser.exit(2, f"kvpress calibrate: error: --out {out} was made for another model; allowed: this model's "
                            f"calibration file\n")
-    if args.codebooks_only:
+    if args.less_only:
+        add_less(calibration, model, calibration_texts(tokenizer, args.texts, args.tokens))
+    elif args.codebooks_only:
         add_codebooks(calibration, model, calibration_texts(tokenizer, args.texts, args.tokens), args.codebook_stages)
     elif args.channels_only:
         calibration.channels = label_channels(model, calibration_texts(tokenizer, args.texts, args.tokens),

@@ -18,9 +18,8 @@ def filled(batch=2, heads=3, length=10, dim=4, valid=None):
 def storage_bytes(layer):
     """Bytes of the distinct allocations behind the layer's storage tensors (views of bigger buffers count whole)."""
     storages = {}
-    for segment in layer.segments:
-        for t in segment.tensors():
-            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    for t in [t for segment in layer.segments for t in segment.tensors()] + list(layer.policy_stats.values()):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
     return sum(storages.values())
 
 

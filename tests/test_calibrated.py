@@ -12,6 +12,7 @@ import torch
 import kvpress
 from kvpress import KVPressCache
 from kvpress.calibration import Calibration, calibrate, collect, calibration_texts, fit, model_identity
+from kvpress.formats import less as less_format
 
 from conftest import greedy, record_held_tokens, tiny_model
 from test_query_agnostic import TOK
@@ -87,7 +88,8 @@ def test_calibration_file_round_trips_and_cannot_run_code(llama_file):
     raw = llama_file.read_bytes()
     header = json.loads(raw[8:8 + int.from_bytes(raw[:8], "little")])
     assert set(header) - {"__metadata__"} == {"weight", "bias", "head_error", "label_channels", "codebook_keys",
-                                             "codebook_values"}
+                                             "codebook_values", *(f"less_{name}" for name in less_format.NAMES)}
+    assert header["less_q1"]["dtype"] == "F16" and header["less_q1"]["shape"] == [2, 4, 16, 16]  # [L, Hq, D, hidden]
     assert header["codebook_keys"]["dtype"] == "F16"  # CommVQ's tables: [L, Hkv, G, S, P, 64, 2] (real, imaginary)
     assert header["codebook_keys"]["shape"] == [2, 2, 1, 3, 8, 64, 2]
     assert llama_file.stat().st_size < 1_000_000
@@ -367,3 +369,4 @@ def test_the_shipped_calibration_is_installed_but_never_overwrites_a_different_f
     models.install_calibration("smollm2")
     assert target.read_bytes() == b"the user's own calibration"
     assert "differs from the calibration shipped" in capsys.readouterr().out
+

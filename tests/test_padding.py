@@ -22,6 +22,7 @@ PARAMS = {
     "none": {},
     "snapkv": dict(compression_ratio=0.6, window_size=8),
     "h2o": dict(compression_ratio=0.6),
+    "less": dict(compression_ratio=0.6, calibration=None),
     "keyformer": dict(compression_ratio=0.6),
     "tova": dict(compression_ratio=0.6),
     "knorm": dict(compression_ratio=0.6),

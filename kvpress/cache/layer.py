@@ -386,14 +386,14 @@ class KVPressLayer(CacheLayerMixin):
 
     # ------------------------------------------------------------------ bytes
     def nbytes(self) -> int:
-        """Bytes held by this layer's storage tensors (keys, values or codes, positions, validity, state)."""
+        """Bytes held by this layer's tensors (keys, values or codes, positions, validity, policy state)."""
         if not self.is_initialized:
             return 0
         segments, room = self._segments, self.room
         if room is not None and room.backs(self):
             segments = segments[:-1]  # the tail is views of the room, counted whole (reserved + used) below
-        return sum(t.numel() * t.element_size() for s in segments for t in s.tensors()) + \
-            (room.nbytes() if room is not None else 0)
+        held = [t for s in segments for t in s.tensors()] + list(self.policy_stats.values())  # (LESS's state sums)
+        return sum(t.numel() * t.element_size() for t in held) + (room.nbytes() if room is not None else 0)
 
     def kv_nbytes(self) -> int:
         """Bytes held by keys and values (or their codes) alone."""

@@ -37,6 +37,9 @@ class Read:
     #                                 is rectangular
     precision: int | None = None  # bits to read low-bit codes with (None: all of them)
     probabilities: bool = False  # also return the attention probabilities [B, Hq, q, T] (a rectangular layer)
+    # (Queries) -> online-softmax State every read starts from besides the stored slots: a policy's summary of tokens
+    # it no longer stores (LESS's low-rank state of evicted tokens); None: the stored slots alone
+    prior: Callable | None = None
 
 
 # ---------------------------------------------------------------------------- one reader per storage kind
@@ -172,7 +175,8 @@ def attend(layer, read: Read, base) -> tuple[torch.Tensor, torch.Tensor | None]:
     transformers' mask (valid only while slot j holds position j), UNMASKED none at all, else a boolean
     [B, Hq, q, T] mask."""
     queries = read.queries
-    if read.probabilities and read.select is None and len(layer.segments) == 1 and not layer.tail.flat:
+    if (read.probabilities and read.select is None and read.prior is None and len(layer.segments) == 1
+            and not layer.tail.flat):
         return _attend_with_probs(layer, queries, layer.tail.data.keys if read.keys is None else read.keys)
     return _attend(layer, read, base), None
 
@@ -205,13 +209,13 @@ def _attend(layer, read: Read, base) -> torch.Tensor:
         keys = layer.keys_view() if read.keys is None else read.keys
         out = sparse_attention(queries, keys, layer.values_view(), layer.key_positions(), read.select())
         return out.transpose(1, 2).contiguous()
-    if len(layer.segments) > 1 or layer.tail.flat:
-        # low-bit codes or flat runs: each segment through its own kernel, one softmax. Long queries (a chunk of
-        # a chunked prefill, a model-level probe's replay) run in row blocks: the kernels write out rows x slots
-        # logits, which for 2K rows over 4K slots would be hundreds of MB.
-        rows = queries.values.shape[2]
-        outs = [layer.attention(queries.rows(start, start + MASK_ROWS), read.precision)
-                for start in range(0, rows, MASK_ROWS)]
+    if len(layer.segments) > 1 or layer.tail.flat or read.prior is not None:
+        # low-bit codes, flat runs or a policy's summary state: each segment through its own kernel, one softmax.
+        # Long queries (a chunk of a chunked prefill, a model-level probe's replay) run in row blocks: the kernels
+        # write out rows x slots logits, which for 2K rows over 4K slots would be hundreds of MB.
+        blocks = [queries.rows(start, start + MASK_ROWS) for start in range(0, queries.values.shape[2], MASK_ROWS)]
+        outs = [layer.attention(rows, read.precision, state=None if read.prior is None else read.prior(rows))
+                for rows in blocks]
         return (outs[0] if len(outs) == 1 else torch.cat(outs, 2)).transpose(1, 2).contiguous()
     keys = layer.tail.data.keys if read.keys is None else read.keys
     if not layer.explicit_positions:

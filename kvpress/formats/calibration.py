@@ -68,6 +68,9 @@ class Calibration:
     # CommVQ's tables {"keys", "values"}: [L, Hkv, G, S, P, 64] complex per layer, KV head, group, stage and pair (None:
     # not calibrated; `kvpress calibrate --codebooks-only` adds them to a file; formats/commvq.py reads them)
     codebooks: dict | None = None
+    # LESS's feature maps {name: [L, heads, ...]} (formats/less.py names them; None: not calibrated; `kvpress calibrate
+    # --less-only` adds them to a file)
+    less: dict | None = None
     # per-layer predictor weights per device, moved there on first use (not at every decode step)
     _placed: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -107,6 +110,7 @@ class Calibration:
             tensors["label_channels"] = self.channels.contiguous().long()
         for kind, tables in (self.codebooks or {}).items():  # fp16 (the tables' size is what a user downloads)
             tensors[f"codebook_{kind}"] = torch.view_as_real(tables.contiguous()).half()
+        tensors.update({f"less_{name}": t.contiguous().half() for name, t in (self.less or {}).items()})
         meta = dict(format=FORMAT, kind=self.kind, layers=self.layers, identity=self.identity,
                     settings=self.settings, metrics=self.metrics)
         Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -125,8 +129,9 @@ class Calibration:
         head_error, channels = tensors.pop("head_error"), tensors.pop("label_channels", None)
         codebooks = {kind: torch.view_as_complex(tensors.pop(f"codebook_{kind}").float().contiguous())
                      for kind in ("keys", "values") if f"codebook_{kind}" in tensors}
+        less = {name[5:]: tensors.pop(name).float() for name in list(tensors) if name.startswith("less_")}
         return cls(meta["layers"], meta["kind"], tensors, head_error, meta["identity"], meta.get("settings", {}),
-                   meta.get("metrics", {}), channels, codebooks or None)
+                   meta.get("metrics", {}), channels, codebooks or None, less or None)
 
     @classmethod
     def for_model(cls, model, path=None) -> "Calibration":

@@ -74,6 +74,7 @@ def kvpress_attention(module, query, key, value, attention_mask, **kwargs):
         select=(lambda: Selection(*_selection(view, ctx))) if isinstance(view, ReadView) else None,
         precision=None if view is None else view.read_precision,
         probabilities=phase == "decode" and patch.needs.probabilities,
+        prior=policy.prior_state(ctx),
     )
 
     def base(q, keys, values, mask):

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ..cache import KVPressLayer
-from ..policies import Codec, Context, Merger, Policy, ReadView, StorageTier
+from ..policies import Codec, Context, Merger, Policy, ReadView, StorageTier, Summarizer
 from ..policies.allocation import whole_pages
 from ..positions import Rotary
 
@@ -36,6 +36,9 @@ def check_servable(policy: Policy) -> None:
     if isinstance(policy, Merger):
         raise ValueError(f"policy={name!r} merges tokens into synthetic ones; an engine keeps a subset of the prompt's "
                          f"own tokens in its pages; allowed: an eviction policy")
+    if isinstance(policy, Summarizer):
+        raise ValueError(f"policy={name!r} adds a summary of its evicted tokens to every read, which an engine's "
+                         f"attention does not; allowed: an eviction policy")
     if isinstance(policy, ReadView):
         raise ValueError(f"policy={name!r} is a read policy (it evicts nothing, it picks what each decode step reads); "
                          f"allowed: an eviction policy")

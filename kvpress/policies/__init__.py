@@ -1,7 +1,7 @@
 """Policies: one small file each, registered by name."""
 
 from .base import (AllocatedBudgetPolicy, BudgetPolicy, Codec, Context, DecodeEviction, Policy, ReadView, ScorerPolicy,
-                   StorageTier, Merger, select_kept)
+                   StorageTier, Merger, Summarizer, select_kept)
 from .registry import get_policy_class, list_policies, register, resolve_policy
 from .none import NoCompression
 from .knorm import Knorm
@@ -9,6 +9,7 @@ from .random import RandomPolicy
 from .tova import TOVA
 from .snapkv import SnapKV
 from .h2o import H2O
+from .less import LESS
 from .keyformer import Keyformer
 from .streaming_llm import StreamingLLM
 from .freqkv import FreqKV
@@ -35,8 +36,8 @@ from .subgen import SubGen
 
 __all__ = [
     "Policy", "BudgetPolicy", "AllocatedBudgetPolicy", "ScorerPolicy", "Context", "select_kept",
-    "Codec", "ReadView", "DecodeEviction", "StorageTier", "Merger",
+    "Codec", "ReadView", "DecodeEviction", "StorageTier", "Merger", "Summarizer",
     "register", "list_policies", "get_policy_class", "resolve_policy",
-    "NoCompression", "Knorm", "RandomPolicy", "TOVA", "SnapKV", "H2O", "Keyformer", "StreamingLLM", "FreqKV", "KVzip", "LookaheadQCache", "ExpectedAttention", "KeyDiff", "KVzap", "DuoAttention",
+    "NoCompression", "Knorm", "RandomPolicy", "TOVA", "SnapKV", "H2O", "LESS", "Keyformer", "StreamingLLM", "FreqKV", "KVzip", "LookaheadQCache", "ExpectedAttention", "KeyDiff", "KVzap", "DuoAttention",
     "KIVI", "GEAR", "ZipCache", "CommVQ", "Composed", "ReadPolicy", "Quest", "Retrieval", "TopK", "SinkWindow", "TokenSelect", "RecycledAttention", "HiP", "TidalDecode", "LServe", "DoubleSparsity", "ShadowKV", "ShadowKVView", "SubGen", "Quant4View",
 ]

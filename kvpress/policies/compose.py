@@ -41,6 +41,9 @@ class Composed(Policy):
     def decode_change(self) -> str | None:
         return self.evictor.decode_change or self.codec.decode_change
 
+    def prior_state(self, ctx: Context):
+        return self.evictor.prior_state(ctx)
+
     def appends_before_change(self, layer) -> int | None:
         counts = [n for n in (self.evictor.appends_before_change(layer), self.codec.appends_before_change(layer))
                   if n is not None]

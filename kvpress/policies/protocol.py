@@ -125,6 +125,11 @@ class Policy(HyperParameters):
         """The keys attention reads when rewrites_keys (otherwise never called)."""
         return ctx.keys
 
+    def prior_state(self, ctx: Context):
+        """A function (Queries) -> online-softmax State that every read of ctx's layer starts from besides its stored
+        slots: the policy's summary of tokens it no longer stores (LESS's low-rank state); None: the slots alone."""
+        return None
+
     def query_rows(self) -> int | None:
         """How many of a prompt's last query rows on_prefill reads (0: none, None: all of them). A serving engine
         that sees a long prompt in chunks keeps just these rows until the prompt's last chunk (observe sees

@@ -8,6 +8,8 @@ integration, speculative decoding, evals, serving) asks one question the same wa
   DecodeEviction  may evict while decoding: on_decode compacts the layer (H2O, TOVA, StreamingLLM, DuoAttention).
   StorageTier     moves the prompt into a storage of its own at its end, read by that storage's own reader
                   (ShadowKV's low-rank keys and file-tier values, SubGen's weighted samples); composes with nothing.
+  Summarizer      folds the tokens it evicts into a state every read starts from (`prior_state`: LESS's low-rank
+                  sums of evicted keys and values); an engine that only frees pages cannot add that state.
   Merger          replaces old slots by fewer synthetic ones that no token had (FreqKV's frequency-domain merge):
                   what it keeps is not a subset of the tokens, so an engine that frees evicted tokens' pages cannot
                   run it, and no codec can hold slots it rewrites again.
@@ -84,3 +86,8 @@ class Merger(Policy):
     @property
     def decode_change(self) -> str:
         return "merges old tokens into fewer synthetic ones when the cache fills while decoding"
+
+
+@dataclass
+class Summarizer(Policy):
+    """Evicts, and keeps a summary of what it evicted that every later read adds (Policy.prior_state)."""

@@ -32,6 +32,7 @@ CONFIGS = [  # (label, policy, params)
     ("gear", "gear", dict(bits=4, **CODEC)),
     ("snapkv+kivi", "snapkv+kivi", dict(compression_ratio=0.5, bits=2, **CODEC)),
     ("kvzap global", "kvzap", dict(compression_ratio=0.5)),
+    ("less", "less", dict(compression_ratio=0.5)),
     ("commvq", "commvq", dict(key_stages=2, value_stages=2, block_size=16, residual_length=16)),
     ("quest", "quest", dict(budget=24)),
     ("retrieval", "retrieval", dict(budget=24)),
