@@ -370,3 +370,25 @@ def test_the_shipped_calibration_is_installed_but_never_overwrites_a_different_f
     assert target.read_bytes() == b"the user's own calibration"
     assert "differs from the calibration shipped" in capsys.readouterr().out
 
+
+def test_a_hybrid_models_calibration_covers_the_layers_kvpress_compresses(tmp_path):
+    """Gemma-3: sliding-window layers stay transformers' own, so its calibration covers the full-attention layers and
+    every calibrated policy runs on it (they were refused: the file's layers differed from the model's list); a cache
+    built without the config, which would compress the sliding layers too, is refused."""
+    model = tiny_model("gemma3")
+    calibration = calibrate(model, TOK, n_texts=3, n_tokens=120, held_out=1, tokens_per_text=80, codebook_stages=2,
+                            log=lambda *a: None)
+    assert calibration.layers == [1]
+    path = tmp_path / "gemma.safetensors"
+    calibration.save(path)
+    ids = torch.randint(3, 120, (1, 60), generator=torch.Generator().manual_seed(3))
+    for policy, params in (("kvzap", dict(compression_ratio=0.5)), ("duo_attention", {}), ("less", dict(budget=20)),
+                           ("double_sparsity", dict(budget=16)), ("commvq", dict(residual_length=8, block_size=8)),
+                           ("lserve", dict(budget=32, page_size=8, local=8, n_sink=2))):
+        with kvpress.patch_model(model, policy=policy, calibration=str(path), **params):
+            cache = KVPressCache(model.config)
+            greedy(model, ids, 4, cache=cache)
+            assert [i for i, _ in cache.kvpress_layers()] == [1]
+    with kvpress.patch_model(model, policy="kvzap", compression_ratio=0.5, calibration=str(path)):
+        with pytest.raises(ValueError, match=r"KVPressCache\(model.config\)"):
+            greedy(model, ids, 2, cache=KVPressCache())

@@ -40,6 +40,10 @@ def check_forward(patch, decoder, args, kwargs) -> None:
         raise ValueError("KVPressCache(question_ids=...) gives the question to a chunked prefill, but this patch "
                          "prefills in one shot; allowed: patch_model(..., prefill_chunk_size=<int>), or a cache "
                          "without question_ids (a one-shot prefill judges the prompt with its own last tokens)")
+    if cache.layer_kinds is None and "sliding_attention" in patch.layer_kinds[0]:
+        raise ValueError("cache: a KVPressCache() built without the model's config would hold this model's "
+                         "sliding-window layers as compressed layers, which kvpress (and its calibrations) leave to "
+                         "transformers; allowed values: KVPressCache(model.config)")
     if cache.layer_kinds is not None and cache.layer_kinds != patch.layer_kinds:
         (kinds, window), (own, own_window) = cache.layer_kinds, patch.layer_kinds
         raise ValueError(f"cache: a KVPressCache built for another model's layers ({_describe(kinds, window)}); "

@@ -72,7 +72,11 @@ def model_info(model, modules, head_dim: int) -> ModelInfo:
     by_index = {m.layer_idx: m for m in modules}
     source = getattr(model.config, "_name_or_path", "")  # the folder it was loaded from, a hub name, or nothing
     folder = Path(source) if source and Path(source).is_dir() else None
-    return ModelInfo(config=model.config.get_text_config(decoder=True), layers=list(by_index), head_dim=head_dim,
+    config = model.config.get_text_config(decoder=True)
+    kinds = getattr(config, "layer_types", None)
+    # the layers kvpress compresses: a KVPressCache(config) holds sliding-window layers as transformers' own layers
+    layers = [i for i in by_index if kinds is None or kinds[i] != "sliding_attention"]
+    return ModelInfo(config=config, layers=layers, head_dim=head_dim,
                      identity=lambda: model_identity(model), folder=folder,
                      rotary=lambda i: Rotary.of(model, by_index[i]), model=model, modules=modules)
 

@@ -114,10 +114,11 @@ def _watch_attention_inputs(model, worker: Worker) -> None:
 def _model_info(model, vllm_config) -> ModelInfo:
     """What policies see of the model an engine runs (no transformers modules: its config and its weights)."""
     config = vllm_config.model_config.hf_text_config
-    layers = sorted({extract_layer_index(name) for name, m in model.named_modules() if isinstance(m, Attention)})
+    layer_types = getattr(config, "layer_types", None)
+    layers = sorted({extract_layer_index(name) for name, m in model.named_modules() if isinstance(m, Attention)}
+                    - {i for i, kind in enumerate(layer_types or []) if kind == "sliding_attention"})
     embedding = next(m for m in model.modules() if isinstance(m, VocabParallelEmbedding)).weight
     folder = Path(vllm_config.model_config.model)
-    layer_types = getattr(config, "layer_types", None)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return ModelInfo(config=config, layers=layers, head_dim=head_dim, identity=lambda: identity_of(config, embedding),
                      folder=folder if folder.is_dir() else None,
