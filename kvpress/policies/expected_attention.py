@@ -76,6 +76,15 @@ class ExpectedAttention(ScorerPolicy):
             stats[_OUTER] = stats.get(_OUTER, 0) + torch.einsum("bhrd,bhre->bhde", q, q)
         layer.mark_changed()  # the statistics now hold these queries: a rollback cannot take them out
 
+    def cut(self, ctx: Context, scores: torch.Tensor) -> None:
+        super().cut(ctx, scores)
+        # after the prompt's last chunk the statistics are read again only to score generated tokens (decode_budget);
+        # without one they would be bytes the cache holds for nothing (and counts: layer.nbytes)
+        if self.decode_budget is None and (ctx.prompt_length is None
+                                           or ctx.layer.seen - ctx.observers >= ctx.prompt_length):
+            for name in (_COUNT, _REAL, _SUM, _OUTER):
+                ctx.layer.policy_stats.pop(name, None)
+
     def score(self, ctx: Context) -> torch.Tensor:
         layer, stats = ctx.layer, ctx.layer.policy_stats
         count = stats[_COUNT].clamp(min=1)[:, None, None]  # [B, 1, 1]
