@@ -188,7 +188,7 @@ def test_cache_local_positions_rotation_matches_rope_at_new_position():
     """Re-rotating a post-RoPE key by delta equals applying RoPE at position p + delta from scratch."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    from kvpress.policies.streaming_llm import rotate_keys
+    from kvpress.positions import rotate_keys
 
     model = tiny_model("llama")
     rotary = model.model.rotary_emb
@@ -205,7 +205,7 @@ def test_cache_local_positions_rotation_matches_rope_at_new_position():
 def test_cache_local_positions_match_contiguous_positions_reference():
     """Paper-faithful StreamingLLM: kept tokens sit at contiguous positions right behind the query. Reference:
     the stock model with a plain cache holding the kept keys rotated to positions seen-T .. seen-1."""
-    from kvpress.policies.streaming_llm import rotate_keys
+    from kvpress.positions import rotate_keys
 
     model = tiny_model("llama")
     ids, nxt = torch.randint(3, 128, (1, 60)), torch.tensor([[9]])
