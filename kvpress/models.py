@@ -166,7 +166,7 @@ def prepare(name: str) -> Path:
 def install_calibration(name: str) -> None:
     """Put the calibration file shipped with kvpress for this model (kvpress/calibrations/<name>.safetensors, made
     by `kvpress calibrate --model <name>`) beside its weights, where the calibrated policies (kvzap, duo_attention,
-    lserve, double_sparsity, commvq) look by default. A file
+    lserve, double_sparsity, commvq, less) look by default. A file
     under the legacy name (a `.safetensors` suffix, which vLLM would load as weights) is renamed first."""
     shipped = Path(__file__).parent / "calibrations" / f"{name}.safetensors"
     target = model_path(name) / FILE_NAME
