@@ -341,7 +341,7 @@ def test_cpu_kernel_gear_ranks(rank):
 def test_cpu_kernel_without_a_compiler_falls_back_to_torch_with_a_warning(monkeypatch, tmp_path):
     from kvpress.kernels import lowbit_native
 
-    monkeypatch.setattr(lowbit_native, "_library", False)  # not tried yet
+    monkeypatch.setattr(lowbit_native._native, "_library", False)  # not tried yet
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # no library built earlier
     q, seg, rk, rv, pos, valid, qpos, window = random_case(0, 2, 2, 4, 1, 64, 7)

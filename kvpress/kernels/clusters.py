@@ -15,18 +15,14 @@ algorithm in torch and Python (the same clusters: distances are sums of squares 
 from __future__ import annotations
 
 import ctypes
-import threading
-import warnings
 from pathlib import Path
 
 import torch
 
-from .native import compile_library
+from .native import NativeLibrary
 
 SOURCE = Path(__file__).with_name("clusters_cpu.c")
 MASK = (1 << 64) - 1
-_lock = threading.Lock()
-_library: ctypes.CDLL | None | bool = False  # False: not tried yet
 
 
 def _mix(x: int) -> int:
@@ -67,20 +63,18 @@ def cluster_keys_reference(keys: torch.Tensor, m: int, t: int, delta: list[float
     return clusters, assign, counts, reservoir
 
 
+def _declare(library) -> None:
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    library.cluster_keys.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr]
+    library.cluster_keys.restype = None
+
+
+_native = NativeLibrary(SOURCE, _declare, "the CPU key clustering",
+                        "SubGen clusters keys in Python instead (same clusters, much slower)")
+
+
 def available() -> bool:
-    global _library
-    with _lock:
-        if _library is False:
-            try:
-                _library = compile_library(SOURCE)
-                i64, ptr = ctypes.c_int64, ctypes.c_void_p
-                _library.cluster_keys.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr]
-                _library.cluster_keys.restype = None
-            except OSError as error:
-                warnings.warn(f"kvpress: the CPU key clustering could not be built ({error}); SubGen clusters keys in "
-                              "Python instead (same clusters, much slower)", stacklevel=3)
-                _library = None
-        return _library is not None
+    return _native.get() is not None
 
 
 def cluster_keys(keys: torch.Tensor, m: int, t: int, delta: list[float], seeds: list[int]):
@@ -95,6 +89,6 @@ def cluster_keys(keys: torch.Tensor, m: int, t: int, delta: list[float], seeds: 
     seed = torch.tensor([(s & MASK) - ((s & MASK) >> 63 << 64) for s in seeds], dtype=torch.int64)
     clusters, assign = torch.zeros(heads, dtype=torch.long), torch.zeros(heads, n, dtype=torch.long)
     counts, reservoir = torch.zeros(heads, m, dtype=torch.long), torch.full((heads, m, t), -1, dtype=torch.long)
-    _library.cluster_keys(x.data_ptr(), heads, n, d, m, t, radius.data_ptr(), seed.data_ptr(), clusters.data_ptr(),
+    _native.get().cluster_keys(x.data_ptr(), heads, n, d, m, t, radius.data_ptr(), seed.data_ptr(), clusters.data_ptr(),
                           assign.data_ptr(), counts.data_ptr(), reservoir.data_ptr())
     return clusters, assign, counts, reservoir

@@ -8,22 +8,18 @@ quant_attention.py then reads through `codes_domain_attention_state`, the torch 
 from __future__ import annotations
 
 import ctypes
-import threading
-import warnings
 from pathlib import Path
 
 import torch
 
 from ..formats.lowbit import LowBitCodes
-from .native import compile_library
+from .native import NativeLibrary
 from .online_softmax import Queries, State, merge_states
 from .sparse_attention import run_grid
 
 SOURCE = Path(__file__).with_name("lowbit_cpu.c")
 MAX_HEAD_DIM = 1024  # the kernel unpacks one row into a stack buffer of this many floats
 MIN_SPLIT = 256  # slots per work item, at least: fewer make the merge cost more than the parallelism gives
-_lock = threading.Lock()
-_library: ctypes.CDLL | None | bool = False  # False: not tried yet
 
 
 class _GearTerms(ctypes.Structure):
@@ -35,27 +31,20 @@ class _GearTerms(ctypes.Structure):
         [(name, ctypes.c_int64) for name in ("rank", "n_chunks", "n_k", "n_v")]
 
 
-def _build() -> ctypes.CDLL:
-    library = compile_library(SOURCE)
+def _declare(library) -> None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     library.lowbit_attention.argtypes = ([ptr] * 4 + [i64] + [ptr] * 5 + [ctypes.c_float] + [ptr] * 3 + [i64] * 6
                                          + [ctypes.c_int, i64, ctypes.c_int] + [ptr] * 2 + [i64] + [ptr] * 3
                                          + [i64, i64, ptr])
     library.lowbit_attention.restype = ctypes.c_int
-    return library
+
+
+_native = NativeLibrary(SOURCE, _declare, "the CPU low-bit kernel",
+                        "low-bit attention reads through torch instead (same results, slower)")
 
 
 def available() -> bool:
-    global _library
-    with _lock:
-        if _library is False:
-            try:
-                _library = _build()
-            except OSError as error:
-                warnings.warn(f"kvpress: the CPU low-bit kernel could not be built ({error}); low-bit attention "
-                              "reads through torch instead (same results, slower)", stacklevel=3)
-                _library = None
-        return _library is not None
+    return _native.get() is not None
 
 
 def supports(queries: Queries, codes: LowBitCodes) -> bool:
@@ -144,7 +133,7 @@ def _run(queries: Queries, codes: LowBitCodes, batch: int, hkv: int, allowed, al
     m = torch.empty(heads, n_rows)
     l, acc = torch.empty_like(m), torch.empty(heads, n_rows, dim)
     starts, lengths = runs or (None, None)
-    failed = _library.lowbit_attention(
+    failed = _native.get().lowbit_attention(
         k_codes.data_ptr(), scales[0].data_ptr(), scales[1].data_ptr(), _pointer(k_group), codes.k_scale.shape[2],
         v_codes.data_ptr(), scales[2].data_ptr(), scales[3].data_ptr(), qr.data_ptr(), _pointer(allowed),
         float(queries.scaling), m.data_ptr(), l.data_ptr(), acc.data_ptr(), heads, codes.num_slots, dim, n_rows,

@@ -11,6 +11,8 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
+import warnings
 from pathlib import Path
 
 # fast reductions (sums reassociated for vectors), but infinities kept: masked slots are -inf
@@ -36,3 +38,27 @@ def compile_library(source: Path) -> ctypes.CDLL:
                 raise OSError(f"{' '.join(command)} failed: {done.stderr[-2000:]}")
             os.replace(built, target)
     return ctypes.CDLL(str(target))
+
+
+class NativeLibrary:
+    """One kernel source, built and loaded on first use (thread-safe). `get()` is the library, or None where no
+    compiler works: a warning then says once what runs instead (`fallback`: the torch version of the same
+    computation). `declare(library)` sets the ctypes signatures."""
+
+    def __init__(self, source: Path, declare, what: str, fallback: str):
+        self.source, self.declare, self.what, self.fallback = source, declare, what, fallback
+        self._lock = threading.Lock()
+        self._library: ctypes.CDLL | None | bool = False  # False: not tried yet
+
+    def get(self) -> ctypes.CDLL | None:
+        with self._lock:
+            if self._library is False:
+                try:
+                    library = compile_library(self.source)
+                    self.declare(library)
+                    self._library = library
+                except OSError as error:
+                    warnings.warn(f"kvpress: {self.what} could not be built ({error}); {self.fallback}",
+                                  stacklevel=3)
+                    self._library = None
+            return self._library or None

@@ -4,7 +4,8 @@
 shared by every (row, head) (flat storage segments: each head's run is a range of the store). `valid` marks
 real entries (ragged counts are padded with invalid ones). Masking is the usual one (allowed_mask) applied to
 the selected slots' original positions. Any q_len works. `sparse_attention_state` dispatches: Triton on CUDA,
-the torch reference (gathers one block of indices at a time) elsewhere.
+the C kernel of sparse_native.py on CPU (rows read in place), the torch reference (gathers one block of indices at
+a time) where neither runs.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import sparse_native
 from .online_softmax import Queries, State, block_update, dense_attention_state, empty_state, finish, merge_states
 
 
@@ -51,6 +53,10 @@ def sparse_attention_state(queries: Queries, keys, values, positions, selection:
 
     if use_triton is None:
         use_triton = queries.values.is_cuda and triton_sparse.available() and queries.softcap is None
+    if not use_triton and sparse_native.supports(queries, keys, values):
+        part = sparse_native.sparse_attention_state_native(queries, keys, values, positions, selection.indices,
+                                                           selection.valid)
+        return part if state is None else merge_states(state, part)
     if not use_triton:
         return sparse_attention_state_reference(queries, keys, values, positions, selection, state)
     part = triton_sparse.sparse_attention_state_triton(queries, keys, values, positions, selection)

@@ -10,19 +10,15 @@ reduction, no [N, 64, 64] tensor is written. `nearest_reference` is the same com
 from __future__ import annotations
 
 import ctypes
-import threading
-import warnings
 from pathlib import Path
 
 import torch
 
 from ..formats.commvq import ENTRIES, codewords, to_pairs
-from .native import compile_library
+from .native import NativeLibrary
 
 SOURCE = Path(__file__).with_name("vq_cpu.c")
 _ROWS = 512  # residual rows per block of the torch search (a [512, 64, 64] fp32 sum: 8 MiB)
-_lock = threading.Lock()
-_library: ctypes.CDLL | None | bool = False  # False: not tried yet
 
 
 def _terms(residual: torch.Tensor, table: torch.Tensor):
@@ -46,20 +42,18 @@ def nearest_reference(residual: torch.Tensor, table: torch.Tensor) -> torch.Tens
     return torch.cat(codes) if codes else torch.zeros(0, dtype=torch.long, device=residual.device)
 
 
+def _declare(library) -> None:
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    library.vq_nearest.argtypes = [ptr, ptr, ptr, i64, ptr]
+    library.vq_nearest.restype = None
+
+
+_native = NativeLibrary(SOURCE, _declare, "the CPU codebook search",
+                        "CommVQ codes are chosen in torch instead (same codes, slower)")
+
+
 def available() -> bool:
-    global _library
-    with _lock:
-        if _library is False:
-            try:
-                _library = compile_library(SOURCE)
-                i64, ptr = ctypes.c_int64, ctypes.c_void_p
-                _library.vq_nearest.argtypes = [ptr, ptr, ptr, i64, ptr]
-                _library.vq_nearest.restype = None
-            except OSError as error:
-                warnings.warn(f"kvpress: the CPU codebook search could not be built ({error}); CommVQ codes are "
-                              "chosen in torch instead (same codes, slower)", stacklevel=3)
-                _library = None
-        return _library is not None
+    return _native.get() is not None
 
 
 def nearest(residual: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
@@ -69,7 +63,7 @@ def nearest(residual: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     a_term, b_term, pair_terms = _terms(residual, table)
     a_term, b_term, pair_t = a_term.float().contiguous(), b_term.float().contiguous(), pair_terms.T.float().contiguous()
     codes = torch.empty(residual.shape[0], dtype=torch.int64)
-    _library.vq_nearest(a_term.data_ptr(), b_term.data_ptr(), pair_t.data_ptr(), residual.shape[0],
+    _native.get().vq_nearest(a_term.data_ptr(), b_term.data_ptr(), pair_t.data_ptr(), residual.shape[0],
                         codes.data_ptr())
     return codes
 

@@ -7,7 +7,9 @@ from typing import ClassVar
 import torch
 
 from ..formats.calibration import Calibration
-from ..formats.lowbit import pack, quantize, unpack_floats
+from ..formats.lowbit import pack, quantize
+from ..kernels.labels import Labels, label_scores
+from ..kernels.slots import top_slots
 from ..heads import HeadShards
 from .context import Context
 from .protocol import ModelInfo
@@ -73,18 +75,12 @@ class DoubleSparsity(ReadPolicy):
             return slots_of(real)
         channels = self._channels(ctx)  # [Hq, r]
         labels = label_cache(layer, ("double_sparsity", self.group_factor, self.label_bits, self.calibration),
-                             channels, self.label_bits)  # [B, Hq, T, r]
+                             channels, self.label_bits)
         q = ctx.query.float().gather(-1, channels[None, :, None].expand(ctx.query.shape[0], -1, ctx.q_len, -1))
-        q = quantized(q, self.label_bits)
-        scores = (q @ labels.transpose(-1, -2)) / channels.shape[-1] ** 0.5  # [B, Hq, r_rows, T]
-        batch, hq, rows, width = scores.shape
-        scores = scores.view(batch, layer.num_kv_heads, -1, width).amax(2)  # max over the group's heads and rows
-        own = torch.arange(width, device=scores.device) >= width - ctx.q_len
-        scores = scores.masked_fill(~real | own, float("-inf"))
-        top = scores.topk(min(self.budget, width), dim=-1)
-        chosen = own.expand_as(real).clone()
-        chosen.scatter_(-1, top.indices, torch.isfinite(top.values))
-        return slots_of(chosen & real)
+        width = layer.view_width
+        # max over the group's heads and rows
+        scores = label_scores(quantized(q, self.label_bits), labels, self.label_bits, width, layer.num_kv_heads)
+        return top_slots(scores, real, self.budget, width - ctx.q_len)  # and the step's own tokens
 
     def _channels(self, ctx: Context) -> torch.Tensor:
         channels = self.channels[ctx.layer_idx]
@@ -100,9 +96,9 @@ def quantized(x: torch.Tensor, bits: int) -> torch.Tensor:
     return codes.float() * scale.float()[..., None] + low.float()[..., None]
 
 
-def label_cache(layer, key: tuple, channels: torch.Tensor, bits: int) -> torch.Tensor:
-    """fp32 [B, Hq, T, r] every stored key's label channels per query head, as quantized (layer.derived[key] holds
-    them packed, extended as tokens arrive)."""
+def label_cache(layer, key: tuple, channels: torch.Tensor, bits: int) -> Labels:
+    """Every stored key's label channels per query head, as stored (kernels/labels.py's Labels, with room for more
+    slots: layer.derived[key] holds them, extended as tokens arrive)."""
     cache = layer.derived.get(key)
     if cache is None:
         cache = layer.derived[key] = _Labels(channels, bits)
@@ -110,22 +106,20 @@ def label_cache(layer, key: tuple, channels: torch.Tensor, bits: int) -> torch.T
 
 
 class _Labels:
-    """The label cache of one layer: the labels of its first slots, packed `bits`-bit codes with an fp16 scale and min
-    per (slot, query head) (16 bits: fp16 values); the slots after them are encoded on the next read."""
+    """The label cache of one layer: the labels of its first `complete` slots, packed `bits`-bit codes with an fp16
+    scale and min per (slot, query head) (16 bits: fp16 values), in buffers with room for more slots (grown by a
+    quarter when full, so a decode step's labels are written in place, not appended by a copy of all the others);
+    the slots after them are encoded on the next read."""
 
     def __init__(self, channels: torch.Tensor, bits: int):
-        self.channels, self.bits, self.parts = channels, bits, None  # parts: (codes or values, scale, min)
-
-    @property
-    def complete(self) -> int:
-        return 0 if self.parts is None else self.parts[0].shape[2]
+        self.channels, self.bits, self.complete, self.buffers = channels, bits, 0, None
 
     def truncate(self, n_slots: int) -> None:
-        if self.parts is not None:
-            self.parts = tuple(None if t is None else t[:, :, :n_slots] for t in self.parts)
+        self.complete = min(self.complete, n_slots)
 
-    def update(self, layer) -> torch.Tensor:
-        if self.complete < layer.view_width:
+    def update(self, layer) -> Labels:
+        width = layer.view_width
+        if self.complete < width:
             keys = layer.keys_view()[:, :, self.complete:].float()  # [B, Hkv, n, D]
             batch, hkv, n, _ = keys.shape
             hq, r = self.channels.shape
@@ -136,9 +130,20 @@ class _Labels:
             else:
                 codes, scale, low = quantize(labels, self.bits, dim=-1)
                 new = (pack(codes, self.bits), scale, low)
-            self.parts = new if self.parts is None else tuple(
-                None if a is None else torch.cat([a, b], 2) for a, b in zip(self.parts, new))
-        values, scale, low = self.parts
-        if self.bits >= 16:
-            return values.float()
-        return unpack_floats(values, self.bits) * scale.float()[..., None] + low.float()[..., None]
+            self._write(new, width)
+        return self.buffers
+
+    def _write(self, new: tuple, width: int) -> None:
+        """new labels for slots complete..width, into the buffers (grown first if they lack the room)."""
+        if self.buffers is None or self.buffers[0].shape[2] < width:
+            room = width + width // 4
+            grown = tuple(None if t is None else t.new_empty(*t.shape[:2], room, *t.shape[3:]) for t in new)
+            if self.buffers is not None:
+                for old, buffer in zip(self.buffers, grown):
+                    if old is not None:
+                        buffer[:, :, :self.complete] = old[:, :, :self.complete]
+            self.buffers = grown
+        for part, buffer in zip(new, self.buffers):
+            if part is not None:
+                buffer[:, :, self.complete:width] = part
+        self.complete = width

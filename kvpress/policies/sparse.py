@@ -14,6 +14,7 @@ from typing import ClassVar
 
 import torch
 
+from ..kernels.slots import slots_of  # noqa: F401 (the read views' selection from a mask)
 from .context import Context
 from .protocol import Policy
 from .roles import ReadView
@@ -147,18 +148,6 @@ def _summary(k: torch.Tensor, v: torch.Tensor, dim: int) -> tuple:
     """A page's statistics: elementwise (max, min, mean) of keys `k` over axis `dim`, real slots (`v`) only."""
     return (k.masked_fill(~v, float("-inf")).amax(dim), k.masked_fill(~v, float("inf")).amin(dim),
             (k * v).sum(dim) / v.sum(dim).clamp(min=1))
-
-
-def slots_of(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(indices [B, Hkv, K], valid) of the True slots of mask [B, Hkv, T], in slot order, padded to the widest head:
-    a selection from a mask (views that decide slot by slot)."""
-    count = mask.sum(-1)
-    width = int(count.max())
-    # each True slot goes to its rank among its head's True slots (a running count: no sort over the view)
-    at = torch.where(mask, mask.cumsum(-1) - 1, width)
-    slots = torch.arange(mask.shape[-1], device=mask.device).expand_as(mask)
-    out = torch.zeros(*mask.shape[:-1], width + 1, dtype=torch.long, device=mask.device)
-    return out.scatter_(-1, at, slots)[..., :width], torch.arange(width, device=mask.device) < count[..., None]
 
 
 def sinks_and_window(real: torch.Tensor, n_sink: int, window: int) -> torch.Tensor:

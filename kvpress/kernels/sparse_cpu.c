@@ -1,0 +1,288 @@
+/* Attention of a few query rows over a selected subset of stored slots on CPU (a read view's decode step), one
+ * call per layer: each selected key and value row is read in place from the cache (fp32, bf16 or fp16, converted
+ * in registers), so no gathered copy of the selection is written. Work items are (head, split of the selection);
+ * each leaves its online-softmax partial (max, sum, accumulator), and the call returns them merged. Built on first
+ * use by kvpress/kernels/sparse_native.py; the torch reference with the same inputs is
+ * `sparse_attention_state_reference` in sparse_attention.py.
+ *
+ * Inputs: keys/values [B, Hkv, T, D] given by strides in elements (a flat store shared by every head: strides 0),
+ * positions [B, Hkv, T] int32 by strides, indices [BH, K] int64 slot numbers, ok uint8 [BH, K] or NULL (all real),
+ * query rows fp32 [BH, M, D] (M = group x rows, row i at raw position q_pos[i % rows]). A slot is read by a row
+ * when it is ok, its position <= the row's and, with a window, > the row's position - window. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define BLOCK 64
+#define MAX_DIM 1024
+
+enum { F32 = 0, BF16 = 1, F16 = 2 };
+
+/* The row at `offset` (elements) of `base` as fp32: the row itself for fp32, else converted into `buffer`. */
+static inline const float *row_f32(const void *base, int dtype, int64_t offset, int64_t dim, float *buffer) {
+    if (dtype == F32) return (const float *)base + offset;
+    if (dtype == BF16) {
+        const uint16_t *p = (const uint16_t *)base + offset;
+        for (int64_t d = 0; d < dim; ++d) {
+            uint32_t bits = (uint32_t)p[d] << 16;
+            memcpy(buffer + d, &bits, sizeof bits);
+        }
+    } else {
+        const _Float16 *p = (const _Float16 *)base + offset;
+        for (int64_t d = 0; d < dim; ++d) buffer[d] = (float)p[d];
+    }
+    return buffer;
+}
+
+typedef struct {
+    const void *keys, *values;
+    int64_t k_stride[3], v_stride[3]; /* b, h, t */
+    const int32_t *positions;
+    int64_t p_stride[3];
+    int dtype;
+} store;
+
+/* One work item: rows [M, D] of head (b, h) over indices[lo:hi]; writes m [M], l [M], acc [M, D]. */
+static int attend_split(const store *s, int64_t b, int64_t h, const int64_t *indices, const uint8_t *ok,
+                        int64_t lo, int64_t hi, const float *q, int64_t M, int64_t rows, const int64_t *q_pos,
+                        int64_t D, float scaling, float softcap, int64_t window, float *m, float *l, float *acc) {
+    float *logits = malloc(sizeof(float) * M * BLOCK);
+    if (!logits) return 1;
+    float kbuf[MAX_DIM], vbuf[MAX_DIM];
+    for (int64_t i = 0; i < M; ++i) m[i] = -INFINITY, l[i] = 0.0f;
+    memset(acc, 0, sizeof(float) * M * D);
+    for (int64_t start = lo; start < hi; start += BLOCK) {
+        const int64_t n = (hi - start < BLOCK) ? hi - start : BLOCK;
+        for (int64_t j = 0; j < n; ++j) {
+            const int64_t slot = indices[start + j];
+            const int real = ok == NULL || ok[start + j];
+            const int64_t pos = s->positions[b * s->p_stride[0] + h * s->p_stride[1] + slot * s->p_stride[2]];
+            const float *k = row_f32(s->keys, s->dtype,
+                                     b * s->k_stride[0] + h * s->k_stride[1] + slot * s->k_stride[2], D, kbuf);
+            for (int64_t i = 0; i < M; ++i) {
+                const int64_t qp = q_pos[i % rows];
+                float logit = -INFINITY;
+                if (real && pos <= qp && (window <= 0 || pos > qp - window)) {
+                    const float *qi = q + i * D;
+                    float dot = 0.0f;
+                    for (int64_t d = 0; d < D; ++d) dot += qi[d] * k[d];
+                    logit = dot * scaling;
+                    if (softcap > 0.0f) logit = tanhf(logit / softcap) * softcap;
+                }
+                logits[i * BLOCK + j] = logit;
+            }
+        }
+        /* fold the block into each row's running max and sum; logits become probabilities under the new max */
+        int any = 0;
+        for (int64_t i = 0; i < M; ++i) {
+            float *row = logits + i * BLOCK;
+            float block_max = -INFINITY;
+            for (int64_t j = 0; j < n; ++j) block_max = row[j] > block_max ? row[j] : block_max;
+            if (block_max == -INFINITY) {
+                for (int64_t j = 0; j < n; ++j) row[j] = 0.0f;
+                continue;
+            }
+            any = 1;
+            const float new_max = m[i] > block_max ? m[i] : block_max;
+            const float correction = expf(m[i] - new_max); /* m = -inf: 0 */
+            float sum = 0.0f;
+            for (int64_t j = 0; j < n; ++j) sum += (row[j] = expf(row[j] - new_max));
+            l[i] = l[i] * correction + sum;
+            m[i] = new_max;
+            if (correction != 1.0f)
+                for (int64_t d = 0; d < D; ++d) acc[i * D + d] *= correction;
+        }
+        if (!any) continue;
+        for (int64_t j = 0; j < n; ++j) {  /* each value row read once, for every query row */
+            const int64_t slot = indices[start + j];
+            const float *v = NULL;
+            for (int64_t i = 0; i < M; ++i) {
+                const float p = logits[i * BLOCK + j];
+                if (p == 0.0f) continue;
+                if (v == NULL)
+                    v = row_f32(s->values, s->dtype,
+                                b * s->v_stride[0] + h * s->v_stride[1] + slot * s->v_stride[2], D, vbuf);
+                float *a = acc + i * D;
+                for (int64_t d = 0; d < D; ++d) a[d] += p * v[d];
+            }
+        }
+    }
+    free(logits);
+    return 0;
+}
+
+/* The state m, l [B * Hkv, M], acc [B * Hkv, M, D] of every head: each (head, split) leaves its partial in the
+ * work buffers, then each head's splits are merged. Returns nonzero when a work buffer failed. */
+int sparse_attention(const void *keys, const void *values, int dtype, const int64_t *k_stride,
+                     const int64_t *v_stride, const int32_t *positions, const int64_t *p_stride,
+                     const int64_t *indices, const uint8_t *ok, int64_t K, const float *q, const int64_t *q_pos,
+                     int64_t rows, int64_t M, int64_t D, int64_t batch, int64_t heads, float scaling, float softcap,
+                     int64_t window, int64_t splits, int threads, float *m, float *l, float *acc) {
+    if (D > MAX_DIM) return 2;
+    store s = {keys, values, {k_stride[0], k_stride[1], k_stride[2]}, {v_stride[0], v_stride[1], v_stride[2]},
+               positions, {p_stride[0], p_stride[1], p_stride[2]}, dtype};
+    const int64_t per_split = (K + splits - 1) / splits, items = batch * heads * splits;
+    float *part_m = malloc(sizeof(float) * items * M), *part_l = malloc(sizeof(float) * items * M);
+    float *part_acc = malloc(sizeof(float) * items * M * D);
+    int failed = !part_m || !part_l || !part_acc;
+    if (!failed) {
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) reduction(| : failed)
+        for (int64_t item = 0; item < items; ++item) {
+            const int64_t bh = item / splits, split = item % splits;
+            const int64_t hi = (split + 1) * per_split < K ? (split + 1) * per_split : K;
+            const int64_t lo = split * per_split < hi ? split * per_split : hi;
+            failed |= attend_split(&s, bh / heads, bh % heads, indices + bh * K, ok ? ok + bh * K : NULL, lo, hi,
+                                   q + bh * M * D, M, rows, q_pos, D, scaling, softcap, window, part_m + item * M,
+                                   part_l + item * M, part_acc + item * M * D);
+        }
+    }
+    for (int64_t bh = 0; !failed && bh < batch * heads; ++bh)  /* each row: its splits under their common max */
+        for (int64_t i = 0; i < M; ++i) {
+            float top = -INFINITY, sum = 0.0f, *out = acc + (bh * M + i) * D;
+            for (int64_t split = 0; split < splits; ++split) {
+                const float mi = part_m[(bh * splits + split) * M + i];
+                top = mi > top ? mi : top;
+            }
+            memset(out, 0, sizeof(float) * D);
+            for (int64_t split = 0; top != -INFINITY && split < splits; ++split) {
+                const int64_t at = (bh * splits + split) * M + i;
+                const float w = expf(part_m[at] - top);  /* an empty split: exp(-inf) = 0 */
+                sum += w * part_l[at];
+                for (int64_t d = 0; d < D; ++d) out[d] += w * part_acc[at * D + d];
+            }
+            m[bh * M + i] = top, l[bh * M + i] = sum;
+        }
+    free(part_m), free(part_l), free(part_acc);
+    return failed;
+}
+
+/* Double Sparsity's approximate scores from its packed label cache, read in place: out [BHkv, T] = scaling x the max,
+ * over the KV head's `group` query heads h and `rows` query rows i, of q[h, i] . label[h, t], where label = code x
+ * scale + min per (slot, query head) (bits 2, 4 or 8: codes uint8 [BHq, capacity, r * bits / 8], code c of byte j
+ * is channel j * (8 / bits) + c, low bits first; fp16 scale and min [BHq, capacity]) or fp16 values [BHq, capacity,
+ * r] (bits 16: scale and min NULL). Codes are never unpacked: for each query row, a table per byte position gives
+ * that byte's share of q . code for all 256 byte values, so a slot's dot product is r * bits / 8 lookups, scaled
+ * once: s (q . code) + min sum(q). */
+int label_scores(const void *labels, const _Float16 *scale, const _Float16 *low, int bits, int64_t capacity,
+                 int64_t T, int64_t r, const float *q, int64_t rows, int64_t group, int64_t kv_heads, float scaling,
+                 float *out, int threads) {
+    if (r > MAX_DIM) return 2;
+    const int64_t row_bytes = bits == 16 ? 2 * r : r * bits / 8, chunk = 1024;
+    const int64_t chunks = (T + chunk - 1) / chunk, heads = kv_heads * group;
+    const int per_byte = bits == 16 ? 1 : 8 / bits, mask = bits == 16 ? 0 : (1 << bits) - 1;
+    /* tables [heads, rows, row_bytes, 256] (bits < 16) and each row's sum(q) */
+    float *tables = bits == 16 ? NULL : malloc(sizeof(float) * heads * rows * row_bytes * 256);
+    float *sums = malloc(sizeof(float) * heads * rows);
+    if ((bits != 16 && !tables) || !sums) {
+        free(tables), free(sums);
+        return 1;
+    }
+    for (int64_t hi = 0; hi < heads * rows; ++hi) {
+        const float *qi = q + hi * r;
+        float sum = 0.0f;
+        for (int64_t c = 0; c < r; ++c) sum += qi[c];
+        sums[hi] = sum;
+        if (bits == 16) continue;
+        for (int64_t j = 0; j < row_bytes; ++j)
+            for (int byte = 0; byte < 256; ++byte) {
+                float share = 0.0f;
+                for (int c = 0; c < per_byte; ++c) share += qi[j * per_byte + c] * (float)((byte >> (bits * c)) & mask);
+                tables[(hi * row_bytes + j) * 256 + byte] = share;
+            }
+    }
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t item = 0; item < kv_heads * chunks; ++item) {
+        const int64_t kv = item / chunks, t0 = (item % chunks) * chunk, t1 = t0 + chunk < T ? t0 + chunk : T;
+        float *best = out + kv * T;
+        for (int64_t t = t0; t < t1; ++t) best[t] = -INFINITY;
+        for (int64_t g = 0; g < group; ++g) {
+            const int64_t h = kv * group + g;
+            const uint8_t *base = (const uint8_t *)labels + h * capacity * row_bytes;
+            for (int64_t i = 0; i < rows; ++i) {
+                const float *qi = q + (h * rows + i) * r, sum = sums[h * rows + i];
+                const float *table = bits == 16 ? NULL : tables + (h * rows + i) * row_bytes * 256;
+                for (int64_t t = t0; t < t1; ++t) {
+                    const uint8_t *row = base + t * row_bytes;
+                    float value = 0.0f;
+                    if (bits == 16) {
+                        for (int64_t c = 0; c < r; ++c) value += qi[c] * (float)((const _Float16 *)row)[c];
+                    } else {
+                        float dot = 0.0f;
+                        for (int64_t j = 0; j < row_bytes; ++j) dot += table[j * 256 + row[j]];
+                        value = (float)scale[h * capacity + t] * dot + (float)low[h * capacity + t] * sum;
+                    }
+                    value *= scaling;
+                    best[t] = value > best[t] ? value : best[t];
+                }
+            }
+        }
+    }
+    free(tables), free(sums);
+    return 0;
+}
+
+/* The k-th largest of values[0:n] (k >= 1), by quickselect; `values` is reordered. */
+static float kth_largest(float *values, int64_t n, int64_t k) {
+    int64_t lo = 0, hi = n - 1, target = k - 1;
+    while (lo < hi) {
+        const float pivot = values[lo + (hi - lo) / 2];
+        int64_t i = lo, j = hi;
+        while (i <= j) {
+            while (values[i] > pivot) ++i;
+            while (values[j] < pivot) --j;
+            if (i <= j) {
+                const float swap = values[i];
+                values[i++] = values[j], values[j--] = swap;
+            }
+        }
+        if (target <= j) hi = j;
+        else if (target >= i) lo = i;
+        else break;
+    }
+    return values[target];
+}
+
+/* A read view's selection from per-slot scores [BH, T]: in slot order, each head's real slots from `own_from` on
+ * (the step's own tokens) and its `budget` highest-scoring other real slots with a finite score (ties: the older
+ * slots). Writes the slot numbers to out [BH, budget + T - own_from] and each head's count to counts [BH]. */
+int top_slots(const float *scores, const uint8_t *real, int64_t heads, int64_t T, int64_t budget, int64_t own_from,
+              int64_t *out, int64_t *counts, int threads) {
+    const int64_t width = budget + T - own_from;
+    int failed = 0;
+#pragma omp parallel for schedule(static) num_threads(threads) reduction(| : failed)
+    for (int64_t h = 0; h < heads; ++h) {
+        const float *s = scores + h * T;
+        const uint8_t *r = real + h * T;
+        float *candidates = malloc(sizeof(float) * (own_from > 0 ? own_from : 1));
+        if (!candidates) {
+            failed = 1;
+            continue;
+        }
+        int64_t n = 0;
+        for (int64_t t = 0; t < own_from; ++t)
+            if (r[t] && s[t] > -INFINITY) candidates[n++] = s[t];
+        /* take every candidate above the threshold, and as many equal to it (oldest first) as the budget allows */
+        float threshold = -INFINITY;
+        int64_t equal_left = n;
+        if (n > budget && budget > 0) {
+            threshold = kth_largest(candidates, n, budget);
+            int64_t above = 0;
+            for (int64_t t = 0; t < own_from; ++t) above += r[t] && s[t] > threshold;
+            equal_left = budget - above;
+        }
+        int64_t count = 0;
+        for (int64_t t = 0; t < T; ++t) {
+            if (!r[t]) continue;
+            int take = t >= own_from;
+            if (!take && budget > 0 && s[t] > -INFINITY) {
+                if (s[t] > threshold) take = 1;
+                else if (s[t] == threshold && equal_left > 0) take = 1, --equal_left;
+            }
+            if (take) out[h * width + count++] = t;
+        }
+        counts[h] = count;
+        free(candidates);
+    }
+    return failed;
+}
