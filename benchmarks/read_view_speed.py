@@ -10,10 +10,11 @@ page statistics, label caches, selections).
 
     python benchmarks/read_view_speed.py --lengths 8192,16384 --budget-fraction 0.1 --new-tokens 32 \
         --views quest,retrieval,token_select,recycled_attention,hip,tidal_decode,lserve,double_sparsity
+    # a view's other parameters after colons, as the evals take them: double_sparsity:group_factor=4:dense_layers=0
 
 A view that observes the prompt (recycled_attention builds its first partial set from the prompt's last token)
 sees a prefill it did not run: its first step is then a full one, as when it drafts for another target.
-Only kvpress's public API is used.
+Only kvpress's public API is used (and the evals' policy-spec parser).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import time
 import torch
 
 import kvpress
+from evals.engine import parse_policy
 from kvpress import KVPressCache
 from kvpress.needle import needle_prompt
 
@@ -45,7 +47,9 @@ def decode(model, cache, token, steps: int, view: str | None, params: dict, coun
     """(per-step seconds, the mean fraction of stored slots read (1.0 for the full cache; None unless
     count_reads: counting costs time, so timed steps do not count), the last token)."""
     reads = []
-    view_type = kvpress.policies.get_policy_class(view) if view else None
+    name, spec_params = parse_policy(view) if view else (None, {})
+    params = {**params, **spec_params}
+    view_type = kvpress.policies.get_policy_class(name) if view else None
     real_select = view_type.select if view_type else None
     if view_type and count_reads:
         def counting(self, ctx):
@@ -56,7 +60,7 @@ def decode(model, cache, token, steps: int, view: str | None, params: dict, coun
         view_type.select = counting
     times = []
     try:
-        with kvpress.patch_model(model, view or "none", **params), torch.no_grad():
+        with kvpress.patch_model(model, name or "none", **params), torch.no_grad():
             for _ in range(steps):
                 start = time.perf_counter()
                 logits = model(token, past_key_values=cache, use_cache=True).logits

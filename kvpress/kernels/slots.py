@@ -44,12 +44,10 @@ def top_slots(scores: torch.Tensor, real: torch.Tensor, budget: int, own_from: i
     s = scores.float().contiguous()
     r = real.contiguous().view(torch.uint8)
     room = max(budget, 0) + width - own_from
-    out = torch.empty(batch * heads, room, dtype=torch.long)
+    out = torch.zeros(batch * heads, room, dtype=torch.long)  # entries past a head's count stay slot 0
     counts = torch.empty(batch * heads, dtype=torch.long)
     if sparse_native.library().top_slots(s.data_ptr(), r.data_ptr(), batch * heads, width, budget, own_from,
                                          out.data_ptr(), counts.data_ptr(), torch.get_num_threads()):
         raise MemoryError("sparse_cpu.c: top_slots could not allocate its work buffer")
     most = int(counts.max()) if counts.numel() else 0
-    indices = out[:, :most].view(batch, heads, most)
-    valid = torch.arange(most) < counts.view(batch, heads, 1)
-    return torch.where(valid, indices, 0), valid
+    return out[:, :most].view(batch, heads, most), torch.arange(most) < counts.view(batch, heads, 1)

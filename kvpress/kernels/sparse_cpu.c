@@ -56,14 +56,17 @@ static int attend_split(const store *s, int64_t b, int64_t h, const int64_t *ind
         const int64_t n = (hi - start < BLOCK) ? hi - start : BLOCK;
         for (int64_t j = 0; j < n; ++j) {
             const int64_t slot = indices[start + j];
-            const int real = ok == NULL || ok[start + j];
+            if (ok != NULL && !ok[start + j]) {  /* a padding entry: its slot number is not read */
+                for (int64_t i = 0; i < M; ++i) logits[i * BLOCK + j] = -INFINITY;
+                continue;
+            }
             const int64_t pos = s->positions[b * s->p_stride[0] + h * s->p_stride[1] + slot * s->p_stride[2]];
             const float *k = row_f32(s->keys, s->dtype,
                                      b * s->k_stride[0] + h * s->k_stride[1] + slot * s->k_stride[2], D, kbuf);
             for (int64_t i = 0; i < M; ++i) {
                 const int64_t qp = q_pos[i % rows];
                 float logit = -INFINITY;
-                if (real && pos <= qp && (window <= 0 || pos > qp - window)) {
+                if (pos <= qp && (window <= 0 || pos > qp - window)) {
                     const float *qi = q + i * D;
                     float dot = 0.0f;
                     for (int64_t d = 0; d < D; ++d) dot += qi[d] * k[d];
@@ -157,6 +160,49 @@ int sparse_attention(const void *keys, const void *values, int dtype, const int6
     return failed;
 }
 
+/* label_scores' work on slots t0..t1 of KV head kv, codes (bits < 16): every query head and row of the group at each
+ * slot in turn, so the slot's best score stays in a register. */
+static inline void label_scores_codes(const void *labels, const _Float16 *scale, const _Float16 *low,
+                                      const int64_t row_bytes, int64_t capacity, const float *tables,
+                                      const float *sums, int64_t rows, int64_t group, int64_t kv, int64_t t0,
+                                      int64_t t1, int64_t T, float scaling, float *out) {
+    for (int64_t t = t0; t < t1; ++t) {
+        float best = -INFINITY;
+        for (int64_t g = 0; g < group; ++g) {
+            const int64_t h = kv * group + g;
+            const uint8_t *row = (const uint8_t *)labels + (h * capacity + t) * row_bytes;
+            const float s = (float)scale[h * capacity + t] * scaling, m = (float)low[h * capacity + t] * scaling;
+            for (int64_t i = 0; i < rows; ++i) {
+                const float *table = tables + (h * rows + i) * row_bytes * 256;
+                float dot = 0.0f;
+                for (int64_t j = 0; j < row_bytes; ++j) dot += table[j * 256 + row[j]];
+                const float value = s * dot + m * sums[h * rows + i];
+                best = value > best ? value : best;
+            }
+        }
+        out[kv * T + t] = best;
+    }
+}
+
+/* label_scores' work on slots t0..t1 of KV head kv, fp16 labels (bits 16). */
+static void label_scores_f16(const void *labels, int64_t capacity, int64_t r, const float *q, int64_t rows,
+                             int64_t group, int64_t kv, int64_t t0, int64_t t1, int64_t T, float scaling, float *out) {
+    for (int64_t t = t0; t < t1; ++t) {
+        float best = -INFINITY;
+        for (int64_t g = 0; g < group; ++g) {
+            const int64_t h = kv * group + g;
+            const _Float16 *row = (const _Float16 *)labels + (h * capacity + t) * r;
+            for (int64_t i = 0; i < rows; ++i) {
+                const float *qi = q + (h * rows + i) * r;
+                float dot = 0.0f;
+                for (int64_t c = 0; c < r; ++c) dot += qi[c] * (float)row[c];
+                best = dot * scaling > best ? dot * scaling : best;
+            }
+        }
+        out[kv * T + t] = best;
+    }
+}
+
 /* Double Sparsity's approximate scores from its packed label cache, read in place: out [BHkv, T] = scaling x the max,
  * over the KV head's `group` query heads h and `rows` query rows i, of q[h, i] . label[h, t], where label = code x
  * scale + min per (slot, query head) (bits 2, 4 or 8: codes uint8 [BHq, capacity, r * bits / 8], code c of byte j
@@ -194,28 +240,15 @@ int label_scores(const void *labels, const _Float16 *scale, const _Float16 *low,
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t item = 0; item < kv_heads * chunks; ++item) {
         const int64_t kv = item / chunks, t0 = (item % chunks) * chunk, t1 = t0 + chunk < T ? t0 + chunk : T;
-        float *best = out + kv * T;
-        for (int64_t t = t0; t < t1; ++t) best[t] = -INFINITY;
-        for (int64_t g = 0; g < group; ++g) {
-            const int64_t h = kv * group + g;
-            const uint8_t *base = (const uint8_t *)labels + h * capacity * row_bytes;
-            for (int64_t i = 0; i < rows; ++i) {
-                const float *qi = q + (h * rows + i) * r, sum = sums[h * rows + i];
-                const float *table = bits == 16 ? NULL : tables + (h * rows + i) * row_bytes * 256;
-                for (int64_t t = t0; t < t1; ++t) {
-                    const uint8_t *row = base + t * row_bytes;
-                    float value = 0.0f;
-                    if (bits == 16) {
-                        for (int64_t c = 0; c < r; ++c) value += qi[c] * (float)((const _Float16 *)row)[c];
-                    } else {
-                        float dot = 0.0f;
-                        for (int64_t j = 0; j < row_bytes; ++j) dot += table[j * 256 + row[j]];
-                        value = (float)scale[h * capacity + t] * dot + (float)low[h * capacity + t] * sum;
-                    }
-                    value *= scaling;
-                    best[t] = value > best[t] ? value : best[t];
-                }
-            }
+        if (bits == 16) {
+            label_scores_f16(labels, capacity, r, q, rows, group, kv, t0, t1, T, scaling, out);
+        } else if (row_bytes == 4) {  /* the common shapes, with the byte loop's bound a constant */
+            label_scores_codes(labels, scale, low, 4, capacity, tables, sums, rows, group, kv, t0, t1, T, scaling, out);
+        } else if (row_bytes == 8) {
+            label_scores_codes(labels, scale, low, 8, capacity, tables, sums, rows, group, kv, t0, t1, T, scaling, out);
+        } else {
+            label_scores_codes(labels, scale, low, row_bytes, capacity, tables, sums, rows, group, kv, t0, t1, T,
+                               scaling, out);
         }
     }
     free(tables), free(sums);
