@@ -3,7 +3,8 @@ head, min-max quantized per (slot, head) to `bits`, packed like KIVI's codes, or
 
 `label_scores` runs sparse_cpu.c's label_scores on CPU where it builds: the packed codes are read in place (a byte's
 share of q . codes looked up in a 256-entry table per byte position) and the scale applied once per dot product
-(s (q . codes) + min sum(q)), so no fp32 copy of the label cache is written each step. `label_scores_reference` is the same computation in torch (dequantize, matmul, max over the group)."""
+(s (q . codes) + min sum(q)), so no fp32 copy of the label cache is written each step. `label_scores_reference` is
+the same computation in torch (dequantize, matmul, max over the group)."""
 
 from __future__ import annotations
 
@@ -41,8 +42,9 @@ def label_scores(q: torch.Tensor, labels: Labels, bits: int, n_slots: int, kv_he
     out = torch.empty(batch, kv_heads, n_slots)
     qc = q.float().contiguous()
     failed = sparse_native.library().label_scores(
-        values.data_ptr(), None if scale is None else scale.data_ptr(), None if low is None else low.data_ptr(), bits, values.shape[2], n_slots, r, qc.data_ptr(), rows,
-        hq // kv_heads, batch * kv_heads, r ** -0.5, out.data_ptr(), torch.get_num_threads())
+        values.data_ptr(), None if scale is None else scale.data_ptr(), None if low is None else low.data_ptr(), bits,
+        values.shape[2], n_slots, r, qc.data_ptr(), rows, hq // kv_heads, batch * kv_heads, r ** -0.5, out.data_ptr(),
+        torch.get_num_threads())
     if failed == 2:
         raise ValueError(f"label_scores: r={r} label channels; allowed values: at most {sparse_native.MAX_HEAD_DIM}")
     if failed:

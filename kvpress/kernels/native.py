@@ -1,7 +1,8 @@
 """C kernels on CPU: a source file of kernels/ compiled once per machine with the system C compiler into
-~/.cache/kvpress/native (the file name holds a hash of the source and flags, so an edit rebuilds) and loaded with
-ctypes. The libraries link the libgomp that torch has already loaded, so their OpenMP loops run on torch's thread
-pool. Each kernel's module keeps a torch version of the same computation for where no compiler works."""
+~/.cache/kvpress/native (the file name holds a hash of the source, the headers beside it and the flags, so an edit
+rebuilds) and loaded with ctypes. The libraries link the libgomp that torch has already loaded, so their OpenMP loops
+run on torch's thread pool. Each kernel's module keeps a torch version of the same computation for where no compiler
+works."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-m
 
 def compile_library(source: Path) -> ctypes.CDLL:
     """`source` compiled (once per machine and version of the source) and loaded; OSError where no compiler works."""
-    digest = hashlib.sha256(source.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))  # what the sources include
+    digest = hashlib.sha256(source.read_bytes() + headers + " ".join(FLAGS).encode()).hexdigest()[:16]
     folder = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvpress" / "native"
     target = folder / f"{source.stem}-{digest}.so"
     if not target.exists():

@@ -7,7 +7,6 @@ older of tied slots, topk any of them."""
 
 from __future__ import annotations
 
-
 import torch
 
 from . import sparse_native

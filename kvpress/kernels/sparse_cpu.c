@@ -14,6 +14,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "online_softmax.h"
+
 #define BLOCK 64
 #define MAX_DIM 1024
 
@@ -88,9 +90,9 @@ static int attend_split(const store *s, int64_t b, int64_t h, const int64_t *ind
             }
             any = 1;
             const float new_max = m[i] > block_max ? m[i] : block_max;
-            const float correction = expf(m[i] - new_max); /* m = -inf: 0 */
+            const float correction = exp_nonpositive(m[i] - new_max); /* m = -inf: 0 */
             float sum = 0.0f;
-            for (int64_t j = 0; j < n; ++j) sum += (row[j] = expf(row[j] - new_max));
+            for (int64_t j = 0; j < n; ++j) sum += (row[j] = exp_nonpositive(row[j] - new_max));
             l[i] = l[i] * correction + sum;
             m[i] = new_max;
             if (correction != 1.0f)
@@ -140,22 +142,7 @@ int sparse_attention(const void *keys, const void *values, int dtype, const int6
                                    part_l + item * M, part_acc + item * M * D);
         }
     }
-    for (int64_t bh = 0; !failed && bh < batch * heads; ++bh)  /* each row: its splits under their common max */
-        for (int64_t i = 0; i < M; ++i) {
-            float top = -INFINITY, sum = 0.0f, *out = acc + (bh * M + i) * D;
-            for (int64_t split = 0; split < splits; ++split) {
-                const float mi = part_m[(bh * splits + split) * M + i];
-                top = mi > top ? mi : top;
-            }
-            memset(out, 0, sizeof(float) * D);
-            for (int64_t split = 0; top != -INFINITY && split < splits; ++split) {
-                const int64_t at = (bh * splits + split) * M + i;
-                const float w = expf(part_m[at] - top);  /* an empty split: exp(-inf) = 0 */
-                sum += w * part_l[at];
-                for (int64_t d = 0; d < D; ++d) out[d] += w * part_acc[at * D + d];
-            }
-            m[bh * M + i] = top, l[bh * M + i] = sum;
-        }
+    if (!failed) merge_partials(part_m, part_l, part_acc, batch * heads, splits, M, D, m, l, acc);
     free(part_m), free(part_l), free(part_acc);
     return failed;
 }

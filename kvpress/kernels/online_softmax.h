@@ -1,0 +1,55 @@
+/* What the C read kernels share, as kernels/online_softmax.py is for the torch ones: a softmax state is (running max,
+ * running sum, accumulator), and partial states over disjoint slot ranges are merged under their common max.
+ * Included by lowbit_cpu.c and sparse_cpu.c (native.py rebuilds a kernel when this file changes). */
+#ifndef KVPRESS_ONLINE_SOFTMAX_H
+#define KVPRESS_ONLINE_SOFTMAX_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+/* exp(x) for x <= 0 (a logit minus its row's max), written out so that loops over it vectorise (libm's expf is
+ * one call per element): exp(x) = 2^k e^r with k = round(x / ln 2), |r| <= ln 2 / 2, e^r by Cephes' degree-6
+ * polynomial (about 1 ulp). Below -87 (and at -inf, a masked slot) it is 0: a term under 2^-125 of a sum that
+ * holds 1. */
+static inline float exp_nonpositive(float x) {
+    const float clamped = x < -87.0f ? -87.0f : x;
+    const float k = floorf(clamped * 1.44269504088896341f + 0.5f);
+    const float r = clamped - k * 0.693359375f + k * 2.12194440e-4f; /* ln 2 in two parts: r stays exact */
+    float y = 1.9875691500e-4f;
+    y = y * r + 1.3981999507e-3f;
+    y = y * r + 8.3334519073e-3f;
+    y = y * r + 4.1665795894e-2f;
+    y = y * r + 1.6666665459e-1f;
+    y = y * r + 5.0000001201e-1f;
+    y = y * r * r + r + 1.0f;
+    const int32_t exponent = ((int32_t)k + 127) << 23; /* 2^k, k in [-126, 0] */
+    float scale;
+    memcpy(&scale, &exponent, sizeof scale);
+    return x < -87.0f ? 0.0f : y * scale;
+}
+
+/* Partial states m/l [heads, parts, rows], acc [heads, parts, rows, dim] -> each head's state m/l [heads, rows], acc
+ * [heads, rows, dim]: each row's partials rescaled to their common max and summed (a partial over no slot has max
+ * -inf and weighs 0). */
+static void merge_partials(const float *m_part, const float *l_part, const float *acc_part, int64_t heads,
+                           int64_t parts, int64_t rows, int64_t dim, float *m_out, float *l_out, float *acc_out) {
+    for (int64_t h = 0; h < heads; ++h)
+        for (int64_t r = 0; r < rows; ++r) {
+            const float *m_s = m_part + h * parts * rows + r, *l_s = l_part + h * parts * rows + r;
+            const float *acc_s = acc_part + (h * parts * rows + r) * dim;
+            float m = -INFINITY, l = 0.0f, *acc = acc_out + (h * rows + r) * dim;
+            for (int64_t s = 0; s < parts; ++s) m = m_s[s * rows] > m ? m_s[s * rows] : m;
+            const float safe = isinf(m) ? 0.0f : m;
+            memset(acc, 0, sizeof(float) * dim);
+            for (int64_t s = 0; s < parts; ++s) {
+                const float w = exp_nonpositive(m_s[s * rows] - safe);
+                l += l_s[s * rows] * w;
+                for (int64_t d = 0; d < dim; ++d) acc[d] += acc_s[s * rows * dim + d] * w;
+            }
+            m_out[h * rows + r] = m;
+            l_out[h * rows + r] = l;
+        }
+}
+
+#endif
