@@ -14,7 +14,8 @@ import torch
 
 from ..kernels.online_softmax import Queries, dense_attention_state, empty_state, finish
 from ..kernels.quant_attention import flat_lowbit_attention_state, lowbit_attention_state
-from ..kernels.sparse_attention import GATHER_SLOTS, flat_attention_state, sparse_attention
+from ..kernels.sparse_attention import GATHER_SLOTS, flat_attention_state, run_grid, sparse_attention
+from ..kernels.vq_read import vq_attention_state
 from .segments import CODES, DENSE, FLAT, FLAT_CODES
 from .shadow import SHADOW
 from .sketch import SKETCH
@@ -76,14 +77,18 @@ def _own_state(layer, segment, offset, queries, state, precision, use_triton, ta
 
 
 def _vq_state(layer, segment, offset, queries, state, precision, use_triton, tail):
-    """CommVQ codes, decoded into a transient fp32 copy and read as full-precision slots."""
-    keys, values = segment.data.dequantize(0, segment.data.num_slots)
+    """CommVQ codes, read without decoding a copy of them (kernels/vq_read.py); a flat store's runs are gathered
+    into their padded grid first."""
+    codes = segment.data
     if segment.flat:
-        return flat_attention_state(queries, keys[0, 0], values[0, 0], segment.positions[0, 0], segment.starts(),
-                                    segment.lengths, state, use_triton, None)
-    batch, heads = layer.batch_heads
-    return dense_attention_state(queries, keys, values, segment.view_positions(offset, batch, heads, layer.device),
-                                 segment.valid, state)
+        indices, ok = run_grid(segment.starts(), segment.lengths, int(segment.lengths.max()), codes.num_slots)
+        slots, positions, valid = codes.slots(indices), segment.positions[0, 0][indices], ok
+    else:
+        batch, heads = layer.batch_heads
+        positions = segment.view_positions(offset, batch, heads, layer.device)
+        slots, valid = codes.slots(), segment.valid
+    tables = codes.book.tables(int(slots.rope.max()) + 1 if slots.rope.numel() else 1, layer.device)
+    return vq_attention_state(queries, slots, tables, positions, valid, state)
 
 
 # key logits: (layer, index of the segment, segment, scaled queries [B, Hkv, g, r, D], slots n, block, fp32_keys)

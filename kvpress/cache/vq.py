@@ -10,10 +10,10 @@ Per slot and KV head the payload holds
 The codebooks (`VQBook`: one layer's tables, from the model's calibration file) are the model's, shared by every
 request like its weights, and are not counted in `nbytes()`.
 
-A read decodes the segment's keys (the codewords' sum times the norm, then RoPE at each slot's position: the
-codewords commute with RoPE, formats/commvq.py) and values into a transient fp32 copy, and folds them into the online
-softmax as the full-precision readers do. (The paper's kernel folds RoPE into per-codeword products instead; not
-built here.)
+A read (`slots`, `VQBook.tables`) hands the codes to kernels/vq_read.py: each key decoded once per slot (the
+codewords' sum times the norm, then RoPE at the slot's position: the codewords commute with RoPE, formats/commvq.py),
+the values never (the attention weights are summed per codebook row). `dequantize` decodes a block of slots into
+fp32, for policies that score keys and for tests.
 """
 
 from __future__ import annotations
@@ -25,10 +25,34 @@ import torch
 
 from ..formats.commvq import bag_weights, decode, pack12, unpack12
 from ..formats.slots import take_slots
-from ..kernels.vq_search import encode
+from ..kernels.vq_read import VQSlots, VQTables
+from ..kernels.vq_search import encode, pair_terms
 from ..positions import apply_rotary, unrotate
 
 VQ = "vq"
+
+
+class RopeTable:
+    """cos / sin fp32 [n, rot / 2] of one RoPE by position 0..n-1, grown (doubling) when a longer one is asked:
+    computed once per model, not per read. One per distinct rotary, shared by the layers' books (CommVQ.for_model)."""
+
+    def __init__(self, rotary):
+        self.rotary = rotary  # positions.Rotary
+        self._table: tuple | None = None  # (cos, sin), replaced whole when grown (a concurrent reader keeps its own)
+
+    def cos_sin(self, positions: torch.Tensor, like: torch.Tensor):
+        return self.rotary.cos_sin(positions, like)
+
+    def by_position(self, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) covering positions 0..n-1 at least."""
+        table = self._table
+        if table is None or table[0].shape[0] < n or table[0].device != torch.device(device):
+            size = max(n, 1024, 2 * (0 if table is None else table[0].shape[0]))
+            cos, sin = self.rotary.cos_sin(torch.arange(size, device=device)[None],
+                                           torch.empty(0, device=device, dtype=torch.float32))
+            half = cos.shape[-1] // 2  # half-split RoPE: the two halves hold the same cos / sin
+            table = self._table = (cos[0, :, :half].float().contiguous(), sin[0, :, :half].float().contiguous())
+        return table
 
 
 @dataclass
@@ -37,8 +61,10 @@ class VQBook:
 
     keys: torch.Tensor
     values: torch.Tensor
-    rotary: object  # positions.Rotary
-    _weights: dict = field(default_factory=dict, repr=False, compare=False)  # (kind, head, device) -> bag weights
+    rotary: RopeTable
+    # what is derived from the tables once: bag weights per (kind, head, device), the stacked ones per device,
+    # the encoder's pair terms per (kind, head)
+    _weights: dict = field(default_factory=dict, repr=False, compare=False)
 
     def codes_per_slot(self, kind: str) -> int:
         tables = getattr(self, kind)
@@ -50,9 +76,26 @@ class VQBook:
             self._weights[key] = bag_weights(getattr(self, kind)[head]).to(device)
         return self._weights[key]
 
+    def search_terms(self, kind: str, head: int) -> torch.Tensor:
+        """pair_terms [G, S, 64, 64] of one head's tables, computed once (every flush searches the same tables)."""
+        key = ("search", kind, head)
+        if key not in self._weights:
+            tables = getattr(self, kind)[head]
+            self._weights[key] = torch.stack([torch.stack([pair_terms(t) for t in per_group]) for per_group in tables])
+        return self._weights[key]
+
     def cos_sin(self, rope: torch.Tensor, like: torch.Tensor):
         """cos, sin [N, 1, rot] at positions rope [N] (one row per slot)."""
         return self.rotary.cos_sin(rope.reshape(-1, 1).long(), like)
+
+    def tables(self, positions: int, device) -> VQTables:
+        """The decoder's weights of every head and the RoPE table covering `positions`, for kernels/vq_read.py."""
+        key = ("stacked", str(device))
+        if key not in self._weights:
+            self._weights[key] = tuple(torch.stack([self.weights(kind, h, device) for h in range(self.keys.shape[0])])
+                                       for kind in ("keys", "values"))
+        cos, sin = self.rotary.by_position(positions, device)
+        return VQTables(*self._weights[key], cos, sin)
 
 
 def encode_commvq(keys, values, valid, rope, book: VQBook) -> "VQCodes":
@@ -64,7 +107,8 @@ def encode_commvq(keys, values, valid, rope, book: VQBook) -> "VQCodes":
     pre_rope = unrotate(keys.reshape(-1, 1, 1, dim), cos, sin).view(batch, heads, n, dim) * mask
     codes, norms = [], {}
     for kind, x in (("keys", pre_rope), ("values", values.float() * mask)):
-        per_head = [encode(x[:, h].reshape(-1, dim), getattr(book, kind)[h]) for h in range(heads)]
+        per_head = [encode(x[:, h].reshape(-1, dim), getattr(book, kind)[h], book.search_terms(kind, h))
+                    for h in range(heads)]
         codes.append(torch.stack([c.view(batch, n, -1) for c, _ in per_head], 1))  # [B, Hkv, n, G * S]
         norms[kind] = torch.stack([m.view(batch, n) for _, m in per_head], 1).half()
     start = rope[:, :1, :1]
@@ -150,6 +194,15 @@ class VQCodes:
             if bool(at.any()):
                 vectors[at] = decode(part[at], norms[at], self.book.weights(kind, h, self.device))
         return vectors
+
+    def slots(self, indices: torch.Tensor | None = None) -> VQSlots:
+        """The slots for kernels/vq_read.py: every slot, or (a flat store [1, 1, N]) the slots at `indices` [B, Hkv, K]
+        (a small gathered copy of their codes)."""
+        rope = self.rope_positions(0, self.num_slots)
+        tensors = (self.codes, self.k_norm, self.v_norm, rope)
+        if indices is not None:
+            tensors = tuple(t[0, 0][indices] for t in tensors)
+        return VQSlots(*tensors)
 
     def dequantize(self, start: int, end: int, precision: int | None = None):
         """fp32 keys (post-RoPE) and values [b, h, end - start, D] of a block of slots."""

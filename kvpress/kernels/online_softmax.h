@@ -1,6 +1,6 @@
 /* What the C read kernels share, as kernels/online_softmax.py is for the torch ones: a softmax state is (running max,
  * running sum, accumulator), and partial states over disjoint slot ranges are merged under their common max.
- * Included by lowbit_cpu.c and sparse_cpu.c (native.py rebuilds a kernel when this file changes). */
+ * Included by lowbit_cpu.c, sparse_cpu.c and vq_read_cpu.c (native.py rebuilds a kernel when this file changes). */
 #ifndef KVPRESS_ONLINE_SOFTMAX_H
 #define KVPRESS_ONLINE_SOFTMAX_H
 

@@ -21,23 +21,31 @@ SOURCE = Path(__file__).with_name("vq_cpu.c")
 _ROWS = 512  # residual rows per block of the torch search (a [512, 64, 64] fp32 sum: 8 MiB)
 
 
-def _terms(residual: torch.Tensor, table: torch.Tensor):
-    """(A [N, 64], B [N, 64], C [64, 64]) fp32 of residuals [N, P] (complex) over table [P, 64]."""
+def pair_terms(table: torch.Tensor) -> torch.Tensor:
+    """C [64, 64] fp32 of table [P, 64]: |t_a|^2 + |t_b|^2 + 2 Re(conj(t_a) i t_b) summed over the pairs; the codebook
+    alone decides it, so a coder that searches one table many times computes it once (`encode`'s `terms`)."""
     jt = table * 1j
     norms = table.abs().square().sum(0)
-    pair_terms = norms[:, None] + norms[None, :] + 2 * (table.conj()[:, :, None] * jt[:, None, :]).real.sum(0)
-    return -2 * (residual.conj() @ table).real, -2 * (residual.conj() @ jt).real, pair_terms
+    return (norms[:, None] + norms[None, :] + 2 * (table.conj()[:, :, None] * jt[:, None, :]).real.sum(0)).float()
 
 
-def nearest_reference(residual: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """The code a * 64 + b [N] of the codeword t_a + i t_b nearest each residual [N, P] (complex), table [P, 64]."""
-    a_term, b_term, pair_terms = _terms(residual, table)
+def _terms(residual: torch.Tensor, table: torch.Tensor, pairs: torch.Tensor | None = None):
+    """(A [N, 64], B [N, 64], C [64, 64]) fp32 of residuals [N, P] (complex) over table [P, 64]; C is `pairs` when
+    given (pair_terms of the table)."""
+    pairs = pair_terms(table) if pairs is None else pairs
+    return -2 * (residual.conj() @ table).real, -2 * (residual.conj() @ (table * 1j)).real, pairs
+
+
+def nearest_reference(residual: torch.Tensor, table: torch.Tensor, pairs: torch.Tensor | None = None) -> torch.Tensor:
+    """The code a * 64 + b [N] of the codeword t_a + i t_b nearest each residual [N, P] (complex), table [P, 64]
+    (`pairs`: its pair_terms, when already computed)."""
+    a_term, b_term, pair_c = _terms(residual, table, pairs)
     codes = []
     for start in range(0, residual.shape[0], _ROWS):
         a_part, b_part = a_term[start:start + _ROWS], b_term[start:start + _ROWS]
-        best_b = (b_part[:, None, :] + pair_terms).amin(-1)  # [n, 64]: min over b for each a
+        best_b = (b_part[:, None, :] + pair_c).amin(-1)  # [n, 64]: min over b for each a
         a = (a_part + best_b).argmin(1)
-        b = (b_part + pair_terms[a]).argmin(1)
+        b = (b_part + pair_c[a]).argmin(1)
         codes.append(a * ENTRIES + b)
     return torch.cat(codes) if codes else torch.zeros(0, dtype=torch.long, device=residual.device)
 
@@ -56,21 +64,22 @@ def available() -> bool:
     return _native.get() is not None
 
 
-def nearest(residual: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+def nearest(residual: torch.Tensor, table: torch.Tensor, pairs: torch.Tensor | None = None) -> torch.Tensor:
     """nearest_reference's codes, by vq_cpu.c on CPU where it builds."""
     if residual.is_cuda or not available():
-        return nearest_reference(residual, table)
-    a_term, b_term, pair_terms = _terms(residual, table)
-    a_term, b_term, pair_t = a_term.float().contiguous(), b_term.float().contiguous(), pair_terms.T.float().contiguous()
+        return nearest_reference(residual, table, pairs)
+    a_term, b_term, pair_c = _terms(residual, table, pairs)
+    a_term, b_term, pair_t = a_term.float().contiguous(), b_term.float().contiguous(), pair_c.T.contiguous()
     codes = torch.empty(residual.shape[0], dtype=torch.int64)
     _native.get().vq_nearest(a_term.data_ptr(), b_term.data_ptr(), pair_t.data_ptr(), residual.shape[0],
                         codes.data_ptr())
     return codes
 
 
-def encode(x: torch.Tensor, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def encode(x: torch.Tensor, tables: torch.Tensor, terms: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes [N, G, S] int64, norms [N] fp32) of vectors x [N, D] over tables [G, S, P, 64] (complex): each group
-    of P pairs of x / |x| is the sum of S codewords, one per stage, chosen greedily."""
+    of P pairs of x / |x| is the sum of S codewords, one per stage, chosen greedily. `terms` [G, S, 64, 64]: the
+    tables' pair_terms, when the caller keeps them."""
     groups, stages, pairs, _ = tables.shape
     norms = x.float().norm(dim=-1)
     residual = to_pairs(x / norms.clamp(min=1e-12)[:, None], pairs)  # [N, G, P]
@@ -78,6 +87,6 @@ def encode(x: torch.Tensor, tables: torch.Tensor) -> tuple[torch.Tensor, torch.T
     for g in range(groups):
         r = residual[:, g]
         for s in range(stages):
-            codes[:, g, s] = nearest(r, tables[g, s])
+            codes[:, g, s] = nearest(r, tables[g, s], None if terms is None else terms[g, s])
             r = r - codewords(codes[:, g, s], tables[g, s])
     return codes, norms

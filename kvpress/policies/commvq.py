@@ -18,8 +18,9 @@ Differences from the paper and its code, named:
   use the same commutative tables, fitted the same way, where the paper trains an encoder and decoder end to end.
 - One norm per KV head, not one per token over all heads, so that a head's slots can be evicted on their own.
 - Groups of 64 pairs at most (128 channels, the paper's); a 64-channel head is one group of 32 pairs.
-- A read decodes the codes into a transient copy (the paper's Triton kernel folds RoPE into per-codeword products,
-  for Llama-3.1-8B at 1 bit only); the bytes held are the codes, norms and positions.
+- A read decodes each key in registers (C kernel, kernels/vq_read.py) and sums the attention weights per codebook
+  row for the values, so no copy of the cache is written; the paper's Triton kernel instead folds RoPE into
+  per-codeword products (for Llama-3.1-8B at 1 bit only). The bytes held are the codes, norms and positions.
 - The RoPE position of a slot is its position minus its row's left padding, as transformers' generate numbers them.
 """
 
@@ -29,7 +30,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from ..cache.rollback import appends_before_flush
-from ..cache.vq import VQBook, encode_commvq
+from ..cache.vq import RopeTable, VQBook, encode_commvq
 from ..formats.calibration import Calibration
 from ..heads import HeadShards
 from .context import Context
@@ -71,10 +72,13 @@ class CommVQ(Codec):
                 raise ValueError(f"{self.name}: {kind}_stages={asked} but the calibration's codebooks have {shipped}; "
                                  f"allowed values: 1 to {shipped} (or more with `{command} --codebook-stages N`)")
             stages[kind] = shipped if asked is None else asked
-        books = {layer: VQBook(calibration.codebooks["keys"][i][:, :, :stages["key"]].contiguous(),
-                               calibration.codebooks["values"][i][:, :, :stages["value"]].contiguous(),
-                               model.rotary(layer))
-                 for i, layer in enumerate(calibration.layers)}
+        ropes = {}  # one RoPE table per distinct rotary, shared by the layers that run it
+        books = {}
+        for i, layer in enumerate(calibration.layers):
+            rotary = model.rotary(layer)
+            rope = ropes.setdefault((id(rotary.embedding), rotary.layer_type), RopeTable(rotary))
+            books[layer] = VQBook(calibration.codebooks["keys"][i][:, :, :stages["key"]].contiguous(),
+                                  calibration.codebooks["values"][i][:, :, :stages["value"]].contiguous(), rope)
         return dataclasses.replace(self, key_stages=stages["key"], value_stages=stages["value"], books=books)
 
     def appends_before_change(self, layer) -> int:
