@@ -138,14 +138,14 @@ def test_twelve_bit_codes_pack_two_in_three_bytes():
 T, CODED = 40, 32  # prompt tokens; residual_length 8, block 8: the oldest 32 are coded at prefill
 
 
-def _coded(x, tables, position):
-    """The definition's stored key (or value, position None) of one vector: greedy codes of the unit vector, the
-    decoded sum times the fp16 norm, RoPE at its position."""
+def _coded(x, stage_words, position):
+    """The definition's stored key (or value, position None) of one vector: greedy codes of the unit vector over
+    each stage's codewords ([4096, P] per stage, one group), the decoded sum times the fp16 norm, RoPE at its
+    position."""
     if position is not None:
         x = _rope(x.double()[None], torch.tensor([-position]))[0]  # un-rotate: RoPE at -p
     residual, total = _pairs(x), 0
-    for s in range(tables.shape[1]):
-        words = _all_codewords(tables[0, s])
+    for words in stage_words:
         best = int((residual[None] - words).abs().square().sum(-1).argmin())
         residual, total = residual - words[best], total + words[best]
     out = torch.cat([total.real, total.imag]) * x.double().norm().half().double()
@@ -165,8 +165,9 @@ def test_a_decode_step_reads_the_keys_and_values_the_definition_decodes(llama_fi
             for kind, tensor in (("keys", layer.keys), ("values", layer.values)):
                 for h in range(tensor.shape[1]):
                     tables = books[kind][layer_idx, h][:, :stages + (kind == "values")]
+                    words = [_all_codewords(tables[0, s]) for s in range(tables.shape[1])]
                     for t in range(CODED):
-                        tensor[0, h, t] = _coded(tensor[0, h, t], tables, t if kind == "keys" else None).float()
+                        tensor[0, h, t] = _coded(tensor[0, h, t], words, t if kind == "keys" else None).float()
         expected = model(nxt, past_key_values=reference, use_cache=True).logits
         with kvpress.patch_model(model, policy="commvq", calibration=str(llama_file), key_stages=stages,
                                  value_stages=stages + 1, residual_length=8, block_size=8):
