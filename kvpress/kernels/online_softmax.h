@@ -29,6 +29,33 @@ static inline float exp_nonpositive(float x) {
     return x < -87.0f ? 0.0f : y * scale;
 }
 
+/* One query row's logit against one key: scaled dot product, then softcap (softcap <= 0: none). */
+static inline float attention_logit(const float *q, const float *k, int64_t dim, float scaling, float softcap) {
+    float dot = 0.0f;
+    for (int64_t d = 0; d < dim; ++d) dot += q[d] * k[d];
+    const float logit = dot * scaling;
+    return softcap > 0.0f ? tanhf(logit / softcap) * softcap : logit;
+}
+
+/* Folds one row's block of n logits (-inf: not read) into its running max *m and sum *l: the logits become
+ * probabilities under the new max, and the factor the row's accumulator must be multiplied by is returned (1 when
+ * the max did not move). A block with no readable logit leaves m and l as they were and zeroes the row. */
+static inline float fold_block(float *row, int64_t n, float *m, float *l) {
+    float block_max = -INFINITY;
+    for (int64_t j = 0; j < n; ++j) block_max = row[j] > block_max ? row[j] : block_max;
+    if (block_max == -INFINITY) {
+        for (int64_t j = 0; j < n; ++j) row[j] = 0.0f;
+        return 1.0f;
+    }
+    const float new_max = *m > block_max ? *m : block_max;
+    const float correction = exp_nonpositive(*m - new_max); /* m = -inf: 0 */
+    float sum = 0.0f;
+    for (int64_t j = 0; j < n; ++j) sum += (row[j] = exp_nonpositive(row[j] - new_max));
+    *l = *l * correction + sum;
+    *m = new_max;
+    return correction;
+}
+
 /* Partial states m/l [heads, parts, rows], acc [heads, parts, rows, dim] -> each head's state m/l [heads, rows], acc
  * [heads, rows, dim]: each row's partials rescaled to their common max and summed (a partial over no slot has max
  * -inf and weighs 0). */

@@ -67,34 +67,16 @@ static int attend_split(const store *s, int64_t b, int64_t h, const int64_t *ind
                                      b * s->k_stride[0] + h * s->k_stride[1] + slot * s->k_stride[2], D, kbuf);
             for (int64_t i = 0; i < M; ++i) {
                 const int64_t qp = q_pos[i % rows];
-                float logit = -INFINITY;
-                if (pos <= qp && (window <= 0 || pos > qp - window)) {
-                    const float *qi = q + i * D;
-                    float dot = 0.0f;
-                    for (int64_t d = 0; d < D; ++d) dot += qi[d] * k[d];
-                    logit = dot * scaling;
-                    if (softcap > 0.0f) logit = tanhf(logit / softcap) * softcap;
-                }
-                logits[i * BLOCK + j] = logit;
+                logits[i * BLOCK + j] = (pos <= qp && (window <= 0 || pos > qp - window))
+                                            ? attention_logit(q + i * D, k, D, scaling, softcap) : -INFINITY;
             }
         }
         /* fold the block into each row's running max and sum; logits become probabilities under the new max */
         int any = 0;
         for (int64_t i = 0; i < M; ++i) {
-            float *row = logits + i * BLOCK;
-            float block_max = -INFINITY;
-            for (int64_t j = 0; j < n; ++j) block_max = row[j] > block_max ? row[j] : block_max;
-            if (block_max == -INFINITY) {
-                for (int64_t j = 0; j < n; ++j) row[j] = 0.0f;
-                continue;
-            }
-            any = 1;
-            const float new_max = m[i] > block_max ? m[i] : block_max;
-            const float correction = exp_nonpositive(m[i] - new_max); /* m = -inf: 0 */
-            float sum = 0.0f;
-            for (int64_t j = 0; j < n; ++j) sum += (row[j] = exp_nonpositive(row[j] - new_max));
-            l[i] = l[i] * correction + sum;
-            m[i] = new_max;
+            const float *row = logits + i * BLOCK;
+            const float correction = fold_block(logits + i * BLOCK, n, m + i, l + i);
+            for (int64_t j = 0; j < n && !any; ++j) any = row[j] != 0.0f;
             if (correction != 1.0f)
                 for (int64_t d = 0; d < D; ++d) acc[i * D + d] *= correction;
         }

@@ -102,34 +102,14 @@ static int attend_split(const vq_store *s, const uint8_t *allowed, int64_t T, in
             }
             unpack12(s->codes + t * s->code_bytes, s->n_codes, codes + j * s->n_codes);
             decode_key(s, t, codes + j * s->n_codes, key);
-            for (int64_t i = 0; i < M; ++i) {
-                float logit = -INFINITY;
-                if (allowed == NULL || allowed[i * T + t]) {
-                    const float *qi = q + i * D;
-                    float dot = 0.0f;
-                    for (int64_t d = 0; d < D; ++d) dot += qi[d] * key[d];
-                    logit = dot * scaling;
-                    if (softcap > 0.0f) logit = tanhf(logit / softcap) * softcap;
-                }
-                logits[i * BLOCK + j] = logit;
-            }
+            for (int64_t i = 0; i < M; ++i)
+                logits[i * BLOCK + j] = (allowed == NULL || allowed[i * T + t])
+                                            ? attention_logit(q + i * D, key, D, scaling, softcap) : -INFINITY;
         }
         /* fold the block into each row's running max and sum; logits become probabilities under the new max, and
          * the row's histogram is rescaled as an accumulator would be */
         for (int64_t i = 0; i < M; ++i) {
-            float *row = logits + i * BLOCK;
-            float block_max = -INFINITY;
-            for (int64_t j = 0; j < n; ++j) block_max = row[j] > block_max ? row[j] : block_max;
-            if (block_max == -INFINITY) {
-                for (int64_t j = 0; j < n; ++j) row[j] = 0.0f;
-                continue;
-            }
-            const float new_max = m[i] > block_max ? m[i] : block_max;
-            const float correction = exp_nonpositive(m[i] - new_max); /* m = -inf: 0 */
-            float sum = 0.0f;
-            for (int64_t j = 0; j < n; ++j) sum += (row[j] = exp_nonpositive(row[j] - new_max));
-            l[i] = l[i] * correction + sum;
-            m[i] = new_max;
+            const float correction = fold_block(logits + i * BLOCK, n, m + i, l + i);
             if (correction != 1.0f) {
                 float *h = hist + i * s->groups * bins;
                 for (int64_t b = 0; b < s->groups * bins; ++b) h[b] *= correction;
