@@ -370,7 +370,7 @@ def test_smollm2_greedy_speculation_is_lossless_for_every_draft(smollm2):
                                   return_tensors="pt", return_dict=True)["input_ids"]
     ref = plain(model, ids, torch.ones_like(ids), 16)
     for draft in KINDS:
-        for gamma in (1, 3, 5):
+        for gamma in (1, 4):  # one token drafted, and several (rollback inside a round)
             out = speculative_generate(model, ids, draft=draft, gamma=gamma, max_new_tokens=16, draft_budget=64,
                                        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
             assert out.tolist() == ref.tolist(), (draft, gamma)
