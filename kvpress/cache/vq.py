@@ -64,7 +64,7 @@ class VQBook:
     rotary: RopeTable
     # what is derived from the tables once: bag weights per (kind, head, device), the stacked ones per device,
     # the encoder's pair terms per (kind, head)
-    _weights: dict = field(default_factory=dict, repr=False, compare=False)
+    _derived: dict = field(default_factory=dict, repr=False, compare=False)
 
     def codes_per_slot(self, kind: str) -> int:
         tables = getattr(self, kind)
@@ -72,17 +72,17 @@ class VQBook:
 
     def weights(self, kind: str, head: int, device) -> torch.Tensor:
         key = (kind, head, str(device))
-        if key not in self._weights:
-            self._weights[key] = bag_weights(getattr(self, kind)[head]).to(device)
-        return self._weights[key]
+        if key not in self._derived:
+            self._derived[key] = bag_weights(getattr(self, kind)[head]).to(device)
+        return self._derived[key]
 
     def search_terms(self, kind: str, head: int) -> torch.Tensor:
         """pair_terms [G, S, 64, 64] of one head's tables, computed once (every flush searches the same tables)."""
         key = ("search", kind, head)
-        if key not in self._weights:
+        if key not in self._derived:
             tables = getattr(self, kind)[head]
-            self._weights[key] = torch.stack([torch.stack([pair_terms(t) for t in per_group]) for per_group in tables])
-        return self._weights[key]
+            self._derived[key] = torch.stack([torch.stack([pair_terms(t) for t in per_group]) for per_group in tables])
+        return self._derived[key]
 
     def cos_sin(self, rope: torch.Tensor, like: torch.Tensor):
         """cos, sin [N, 1, rot] at positions rope [N] (one row per slot)."""
@@ -91,11 +91,11 @@ class VQBook:
     def tables(self, positions: int, device) -> VQTables:
         """The decoder's weights of every head and the RoPE table covering `positions`, for kernels/vq_read.py."""
         key = ("stacked", str(device))
-        if key not in self._weights:
-            self._weights[key] = tuple(torch.stack([self.weights(kind, h, device) for h in range(self.keys.shape[0])])
+        if key not in self._derived:
+            self._derived[key] = tuple(torch.stack([self.weights(kind, h, device) for h in range(self.keys.shape[0])])
                                        for kind in ("keys", "values"))
         cos, sin = self.rotary.by_position(positions, device)
-        return VQTables(*self._weights[key], cos, sin)
+        return VQTables(*self._derived[key], cos, sin)
 
 
 def encode_commvq(keys, values, valid, rope, book: VQBook) -> "VQCodes":

@@ -64,7 +64,7 @@ def lowbit_attention_state_native(queries: Queries, codes: LowBitCodes, position
     the codes, that too, in the same call."""
     hkv = codes.k_codes.shape[1]
     group = queries.values.shape[1] // hkv
-    allowed = _allowed(queries, positions, valid, group)
+    allowed = queries.kernel_mask(positions, valid, group)
     part = _run(queries, codes, codes.k_codes.shape[0], hkv, allowed, codes.num_slots,
                 tail=_tail_arrays(queries, tail, group))
     return part if state is None else merge_states(state, part)
@@ -84,7 +84,7 @@ def flat_lowbit_attention_state_native(queries: Queries, codes: LowBitCodes, pos
     allowed = None
     if not queries.reads_every_slot(None):  # runs hold real tokens only: the mask is causality (and a window)
         indices, ok = run_grid(starts.view(batch, hkv), lengths, width, codes.num_slots)
-        allowed = _allowed(queries, positions[0, 0][indices], ok, group)
+        allowed = queries.kernel_mask(positions[0, 0][indices], ok, group)
     part = _run(queries, codes, batch, hkv, allowed, width, runs=(starts, flat_lengths),
                 tail=_tail_arrays(queries, tail, group))
     return part if state is None else merge_states(state, part)
@@ -99,7 +99,7 @@ def _tail_arrays(queries: Queries, tail: tuple | None, group: int) -> tuple | No
     keys, values = _rows_in_place(tail[0].float()), _rows_in_place(tail[1].float())
     if keys.stride() != values.stride():
         keys, values = keys.contiguous(), values.contiguous()
-    return keys, values, _allowed(queries, tail[2], tail[3], group), keys.stride(1) // max(keys.shape[-1], 1)
+    return keys, values, queries.kernel_mask(tail[2], tail[3], group), keys.stride(1) // max(keys.shape[-1], 1)
 
 
 def _rows_in_place(t: torch.Tensor) -> torch.Tensor:
@@ -161,14 +161,6 @@ def _gear_terms(codes: LowBitCodes):
     gear = _GearTerms(**{name: t.data_ptr() for name, t in tensors.items()}, rank=codes.k_basis.shape[-1],
                       n_chunks=codes.k_basis.shape[2], n_k=codes.k_out_slot.shape[-1], n_v=codes.v_out_idx.shape[-1])
     return gear, tensors
-
-
-def _allowed(queries: Queries, positions, valid, group: int) -> torch.Tensor | None:
-    """uint8 [B, H, g * r, T]: may each query row read each slot; None where every row may read every slot."""
-    if queries.reads_every_slot(valid):
-        return None
-    allowed = queries.allowed(positions, valid)[:, :, None].expand(-1, -1, group, -1, -1)
-    return allowed.flatten(2, 3).to(torch.uint8).contiguous()
 
 
 def _pointer(t: torch.Tensor | None):

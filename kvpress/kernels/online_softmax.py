@@ -32,6 +32,17 @@ class Queries:
         """[B, Hkv, r, T] may each row read each slot (causal by original position, real slots, window)."""
         return allowed_mask(self.positions, key_positions, key_valid, self.sliding_window)
 
+    def allowed_by_row(self, key_positions: torch.Tensor, key_valid: torch.Tensor | None, group: int) -> torch.Tensor:
+        """`allowed` for every query row of each KV head's GQA group, [B, Hkv, g * r, T] (head-major, as the kernels
+        lay the group's rows out)."""
+        return self.allowed(key_positions, key_valid)[:, :, None].expand(-1, -1, group, -1, -1).flatten(2, 3)
+
+    def kernel_mask(self, key_positions: torch.Tensor, key_valid: torch.Tensor | None, group: int):
+        """allowed_by_row as the C kernels take it (uint8, contiguous); None where every row may read every slot."""
+        if self.reads_every_slot(key_valid):
+            return None
+        return self.allowed_by_row(key_positions, key_valid, group).to(torch.uint8).contiguous()
+
     def reads_every_slot(self, key_valid: torch.Tensor | None) -> bool:
         """Whether `allowed` would be all True over slots whose validity is `key_valid` (None: all real): one query
         row (a decode step, whose token was just appended, so every stored position is <= its own), no invalid

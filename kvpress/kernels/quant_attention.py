@@ -95,8 +95,7 @@ def codes_domain_attention_state(queries: Queries, codes: LowBitCodes, positions
     logits = logits * queries.scaling
     if queries.softcap is not None:
         logits = torch.tanh(logits / queries.softcap) * queries.softcap
-    allowed = queries.allowed(positions, valid)[:, :, None].expand(-1, -1, group, -1, -1)
-    logits = logits.masked_fill(~allowed.reshape(batch, hkv, n_rows, length), float("-inf"))
+    logits = logits.masked_fill(~queries.allowed_by_row(positions, valid, group), float("-inf"))
     m = logits.amax(-1)
     safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     p = torch.exp(logits - safe[..., None])  # [B, H, R, T]

@@ -110,8 +110,7 @@ def vq_attention_state_reference(queries: Queries, slots: VQSlots, tables: VQTab
     logits = (q.reshape(batch, hkv, group * rows, dim) @ keys.transpose(-1, -2)) * queries.scaling
     if queries.softcap is not None:
         logits = torch.tanh(logits / queries.softcap) * queries.softcap
-    allowed = queries.allowed(positions, valid)[:, :, None].expand(-1, -1, group, -1, -1).flatten(2, 3)
-    logits = logits.masked_fill(~allowed, float("-inf"))
+    logits = logits.masked_fill(~queries.allowed_by_row(positions, valid, group), float("-inf"))
     m = logits.amax(-1)
     safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     p = torch.exp(logits - safe[..., None])
@@ -165,10 +164,7 @@ def _run(queries: Queries, slots: VQSlots, tables: VQTables, positions, valid) -
     _, _, group, rows, dim = q.shape
     n_rows, heads = group * rows, batch * hkv
     qr = q.reshape(heads, n_rows, dim).contiguous()
-    allowed = None
-    if not queries.reads_every_slot(valid):
-        allowed = queries.allowed(positions, valid)[:, :, None].expand(-1, -1, group, -1, -1)
-        allowed = allowed.flatten(2, 3).to(torch.uint8).contiguous()
+    allowed = queries.kernel_mask(positions, valid, group)
     codes, k_norm, v_norm = (t.contiguous() for t in (slots.codes, slots.k_norm, slots.v_norm))
     rope = slots.rope.to(torch.int32).contiguous()
     if int(rope.max()) >= tables.cos.shape[0] or int(rope.min()) < 0:
