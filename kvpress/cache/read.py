@@ -87,7 +87,8 @@ def _vq_state(layer, segment, offset, queries, state, precision, use_triton, tai
         batch, heads = layer.batch_heads
         positions = segment.view_positions(offset, batch, heads, layer.device)
         slots, valid = codes.slots(), segment.valid
-    tables = codes.book.tables(int(slots.rope.max()) + 1 if slots.rope.numel() else 1, layer.device)
+    # every stored key was rotated at a position the layer has seen (vq_read bounds-checks them against the table)
+    tables = codes.book.tables(max(layer.seen, 1), layer.device)
     return vq_attention_state(queries, slots, tables, positions, valid, state)
 
 

@@ -508,9 +508,9 @@ int lowbit_attention(const uint8_t *k_codes, const _Float16 *k_scale, const _Flo
         && dim % n_chan == 0 && (dim / n_chan) % 16 == 0 && (gear == NULL || gear->rank <= MAX_RANK_VECTOR);
     const int64_t rank = gear ? gear->rank : 0, n_k = gear ? gear->n_k : 0;
     /* the work items' partials [BH, S + 1, R(, D)] */
-    float *m_part = malloc(sizeof(float) * items * rows * (dim + 2)), *l_part = m_part + items * rows,
-          *acc_part = l_part + items * rows;
-    if (m_part == NULL) return -1;
+    partials part;
+    if (partials_alloc(&part, items, rows, dim)) return -1;
+    float *m_part = part.m, *l_part = part.l, *acc_part = part.acc;
     int failed = 0;
     /* A flat store's key outliers come in flush order: list them run by run once (entries of run h are
      * entries[first[h]] .. entries[first[h + 1] - 1]), so each work item looks only through its own run's. */
@@ -520,7 +520,7 @@ int lowbit_attention(const uint8_t *k_codes, const _Float16 *k_scale, const _Flo
         first = calloc(heads + 2, sizeof(int64_t));
         int64_t *owner = malloc(sizeof(int64_t) * n_k);
         if (entries == NULL || first == NULL || owner == NULL) {
-            free(entries), free(first), free(owner), free(m_part);
+            free(entries), free(first), free(owner), partials_free(&part);
             return -1;
         }
         for (int64_t e = 0; e < n_k; ++e) { /* the run holding its slot: the last one starting at or before it */
@@ -603,6 +603,6 @@ int lowbit_attention(const uint8_t *k_codes, const _Float16 *k_scale, const _Flo
     free(entries);
     free(first);
     if (!failed) merge_partials(m_part, l_part, acc_part, heads, splits + 1, rows, dim, m_out, l_out, acc_out);
-    free(m_part);
+    partials_free(&part);
     return failed ? -1 : 0;
 }

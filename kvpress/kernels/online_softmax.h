@@ -6,6 +6,7 @@
 
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 /* exp(x) for x <= 0 (a logit minus its row's max), written out so that loops over it vectorise (libm's expf is
@@ -54,6 +55,32 @@ static inline float fold_block(float *row, int64_t n, float *m, float *l) {
     *l = *l * correction + sum;
     *m = new_max;
     return correction;
+}
+
+/* Work item `split` of `splits` over n slots reads [*lo, *hi): runs of ceil(n / splits), the last ones shorter or
+ * empty. */
+static inline void split_range(int64_t n, int64_t splits, int64_t split, int64_t *lo, int64_t *hi) {
+    const int64_t per_split = (n + splits - 1) / splits;
+    *hi = (split + 1) * per_split < n ? (split + 1) * per_split : n;
+    *lo = split * per_split < *hi ? split * per_split : *hi;
+}
+
+/* The partial states that `items` work items leave, `rows` query rows each: m, l [items, rows], acc [items, rows,
+ * dim], in one buffer. partials_alloc returns nonzero (and holds nothing) when it could not be allocated. */
+typedef struct {
+    float *m, *l, *acc;
+} partials;
+
+static inline int partials_alloc(partials *p, int64_t items, int64_t rows, int64_t dim) {
+    p->m = malloc(sizeof(float) * items * rows * (dim + 2));
+    p->l = p->m ? p->m + items * rows : NULL;
+    p->acc = p->m ? p->l + items * rows : NULL;
+    return p->m == NULL;
+}
+
+static inline void partials_free(partials *p) {
+    free(p->m);
+    p->m = p->l = p->acc = NULL;
 }
 
 /* Partial states m/l [heads, parts, rows], acc [heads, parts, rows, dim] -> each head's state m/l [heads, rows], acc

@@ -109,23 +109,22 @@ int sparse_attention(const void *keys, const void *values, int dtype, const int6
     if (D > MAX_DIM) return 2;
     store s = {keys, values, {k_stride[0], k_stride[1], k_stride[2]}, {v_stride[0], v_stride[1], v_stride[2]},
                positions, {p_stride[0], p_stride[1], p_stride[2]}, dtype};
-    const int64_t per_split = (K + splits - 1) / splits, items = batch * heads * splits;
-    float *part_m = malloc(sizeof(float) * items * M), *part_l = malloc(sizeof(float) * items * M);
-    float *part_acc = malloc(sizeof(float) * items * M * D);
-    int failed = !part_m || !part_l || !part_acc;
+    const int64_t items = batch * heads * splits;
+    partials part;
+    int failed = partials_alloc(&part, items, M, D);
     if (!failed) {
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) reduction(| : failed)
         for (int64_t item = 0; item < items; ++item) {
-            const int64_t bh = item / splits, split = item % splits;
-            const int64_t hi = (split + 1) * per_split < K ? (split + 1) * per_split : K;
-            const int64_t lo = split * per_split < hi ? split * per_split : hi;
+            const int64_t bh = item / splits;
+            int64_t lo, hi;
+            split_range(K, splits, item % splits, &lo, &hi);
             failed |= attend_split(&s, bh / heads, bh % heads, indices + bh * K, ok ? ok + bh * K : NULL, lo, hi,
-                                   q + bh * M * D, M, rows, q_pos, D, scaling, softcap, window, part_m + item * M,
-                                   part_l + item * M, part_acc + item * M * D);
+                                   q + bh * M * D, M, rows, q_pos, D, scaling, softcap, window, part.m + item * M,
+                                   part.l + item * M, part.acc + item * M * D);
         }
+        if (!failed) merge_partials(part.m, part.l, part.acc, batch * heads, splits, M, D, m, l, acc);
+        partials_free(&part);
     }
-    if (!failed) merge_partials(part_m, part_l, part_acc, batch * heads, splits, M, D, m, l, acc);
-    free(part_m), free(part_l), free(part_acc);
     return failed;
 }
 

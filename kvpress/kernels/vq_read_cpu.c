@@ -163,25 +163,24 @@ int vq_attention(const uint8_t *codes, int64_t code_bytes, const _Float16 *k_nor
     if (D > MAX_DIM) return 2;
     const int64_t k_head = groups * 2 * k_stages * ENTRIES * 2 * pairs;
     const int64_t v_head = groups * 2 * v_stages * ENTRIES * 2 * pairs;
-    const int64_t per_split = (T + splits - 1) / splits, items = BH * splits;
-    float *part_m = malloc(sizeof(float) * items * M), *part_l = malloc(sizeof(float) * items * M);
-    float *part_acc = malloc(sizeof(float) * items * M * D);
-    int failed = !part_m || !part_l || !part_acc;
+    const int64_t items = BH * splits;
+    partials part;
+    int failed = partials_alloc(&part, items, M, D);
     if (!failed) {
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) reduction(| : failed)
         for (int64_t item = 0; item < items; ++item) {
-            const int64_t bh = item / splits, split = item % splits, head = bh % kv_heads;
-            const int64_t hi = (split + 1) * per_split < T ? (split + 1) * per_split : T;
-            const int64_t lo = split * per_split < hi ? split * per_split : hi;
+            const int64_t bh = item / splits, head = bh % kv_heads;
+            int64_t lo, hi;
+            split_range(T, splits, item % splits, &lo, &hi);
             const vq_store s = {codes + bh * T * code_bytes, code_bytes, groups * k_stages, n_codes,
                                 k_norm + bh * T, v_norm + bh * T, rope + bh * T, cos_table, sin_table,
                                 k_weights + head * k_head, v_weights + head * v_head, groups, pairs, k_stages,
                                 v_stages};
             failed |= attend_split(&s, allowed ? allowed + bh * M * T : NULL, T, lo, hi, q + bh * M * D, M, D,
-                                   scaling, softcap, part_m + item * M, part_l + item * M, part_acc + item * M * D);
+                                   scaling, softcap, part.m + item * M, part.l + item * M, part.acc + item * M * D);
         }
+        if (!failed) merge_partials(part.m, part.l, part.acc, BH, splits, M, D, m, l, acc);
+        partials_free(&part);
     }
-    if (!failed) merge_partials(part_m, part_l, part_acc, BH, splits, M, D, m, l, acc);
-    free(part_m), free(part_l), free(part_acc);
     return failed;
 }
