@@ -93,6 +93,27 @@ def test_encode_is_greedy_residual_coding_of_the_unit_vector_and_decode_its_sum(
     assert torch.allclose(norms, x.norm(dim=-1))
 
 
+@pytest.mark.parametrize("groups, stages", [(1, 8), (2, 3)])
+def test_the_c_encoder_codes_as_the_stage_by_stage_search_does(groups, stages, monkeypatch):
+    """vq_cpu.c's one-call encoder against encode_reference (the torch search, checked above against brute force):
+    the same codes (A and B are summed in another order, so a near tie may go the other way: at most 1% of rows)
+    and never a farther reconstruction; without a compiler, encode is the reference."""
+    tables = _tables(seed=3, groups=groups, stages=stages)
+    x = torch.randn(1500, 2 * P * groups) * 2
+    reference, norms = vq_search.encode_reference(x, tables)
+    monkeypatch.setattr(vq_search, "available", lambda: False)
+    assert torch.equal(vq_search.encode(x, tables)[0], reference)
+    monkeypatch.undo()
+    if not vq_search.available():
+        pytest.skip("no C compiler: encode is encode_reference")
+    codes, c_norms = vq_search.encode(x, tables)
+    assert codes.shape == reference.shape and torch.equal(c_norms, norms)
+    assert (codes == reference).all(-1).all(-1).float().mean() >= 0.99
+    weights = cv.bag_weights(tables)
+    error = (cv.decode(codes, norms, weights) - x).norm(dim=-1)
+    assert (error <= (cv.decode(reference, norms, weights) - x).norm(dim=-1) + 1e-4).all()
+
+
 def test_the_table_solve_is_least_squares_over_the_codes():
     """With codes fixed, the table of one pair minimises sum |r - t_a - J t_b|^2: a real least-squares problem over its
     64 entries (x, y), built here as a design matrix."""

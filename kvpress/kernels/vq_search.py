@@ -5,7 +5,10 @@ and C a [64, 64] table of the codebook alone. For each a the best b is a (min, +
 then its b again: an exact argmin over the 4096 codewords.
 
 `nearest` runs vq_cpu.c (built by native.py) on CPU, where a compiler works: the per-a minimum is one vector
-reduction, no [N, 64, 64] tensor is written. `nearest_reference` is the same computation in torch (same codes)."""
+reduction, no [N, 64, 64] tensor is written. `nearest_reference` is the same computation in torch (same codes).
+`encode` codes every stage of a row in one vq_cpu.c call (a flush of a few slots was dozens of small torch calls);
+`encode_reference` is its torch form, stage by stage (A and B summed in another order: a near tie can go the other
+way, the codeword chosen is as near either way)."""
 
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from .native import NativeLibrary
 
 SOURCE = Path(__file__).with_name("vq_cpu.c")
 _ROWS = 512  # residual rows per block of the torch search (a [512, 64, 64] fp32 sum: 8 MiB)
+MAX_PAIRS = 64  # vq_cpu.c's residual buffers (a group of 64 pairs: 128 channels, the most a group holds)
 
 
 def pair_terms(table: torch.Tensor) -> torch.Tensor:
@@ -54,6 +58,8 @@ def _declare(library) -> None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     library.vq_nearest.argtypes = [ptr, ptr, ptr, i64, ptr]
     library.vq_nearest.restype = None
+    library.vq_encode.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, ptr]
+    library.vq_encode.restype = ctypes.c_int
 
 
 _native = NativeLibrary(SOURCE, _declare, "the CPU codebook search",
@@ -76,17 +82,39 @@ def nearest(residual: torch.Tensor, table: torch.Tensor, pairs: torch.Tensor | N
     return codes
 
 
-def encode(x: torch.Tensor, tables: torch.Tensor, terms: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def _unit_pairs(x: torch.Tensor, pairs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x / |x| as complex pairs [N, G, P], norms [N] fp32) of vectors x [N, D]."""
+    norms = x.float().norm(dim=-1)
+    return to_pairs(x / norms.clamp(min=1e-12)[:, None], pairs), norms
+
+
+def encode_reference(x: torch.Tensor, tables: torch.Tensor, terms: torch.Tensor | None = None):
     """(codes [N, G, S] int64, norms [N] fp32) of vectors x [N, D] over tables [G, S, P, 64] (complex): each group
     of P pairs of x / |x| is the sum of S codewords, one per stage, chosen greedily. `terms` [G, S, 64, 64]: the
     tables' pair_terms, when the caller keeps them."""
     groups, stages, pairs, _ = tables.shape
-    norms = x.float().norm(dim=-1)
-    residual = to_pairs(x / norms.clamp(min=1e-12)[:, None], pairs)  # [N, G, P]
+    residual, norms = _unit_pairs(x, pairs)
     codes = torch.zeros(x.shape[0], groups, stages, dtype=torch.long, device=x.device)
     for g in range(groups):
         r = residual[:, g]
         for s in range(stages):
             codes[:, g, s] = nearest(r, tables[g, s], None if terms is None else terms[g, s])
             r = r - codewords(codes[:, g, s], tables[g, s])
+    return codes, norms
+
+
+def encode(x: torch.Tensor, tables: torch.Tensor, terms: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """encode_reference's codes and norms, every stage of a row in one vq_cpu.c call on CPU where it builds."""
+    groups, stages, pairs, _ = tables.shape
+    if x.is_cuda or not available() or pairs > MAX_PAIRS:
+        return encode_reference(x, tables, terms)
+    residual, norms = _unit_pairs(x, pairs)
+    if terms is None:
+        terms = torch.stack([torch.stack([pair_terms(t) for t in per_group]) for per_group in tables])
+    re, im = residual.real.contiguous(), residual.imag.contiguous()
+    t_re, t_im = tables.real.float().contiguous(), tables.imag.float().contiguous()
+    pair_t = terms.float().transpose(-1, -2).contiguous()
+    codes = torch.empty(x.shape[0], groups, stages, dtype=torch.int64)
+    _native.get().vq_encode(re.data_ptr(), im.data_ptr(), t_re.data_ptr(), t_im.data_ptr(), pair_t.data_ptr(),
+                            x.shape[0], groups, stages, pairs, codes.data_ptr())
     return codes, norms
