@@ -26,7 +26,7 @@ import torch
 from ..formats.commvq import bag_weights, decode, pack12, unpack12
 from ..formats.slots import take_slots
 from ..kernels.vq_read import VQSlots, VQTables
-from ..kernels.vq_search import encode, pair_terms
+from ..kernels.vq_search import encode, stage_terms
 from ..positions import apply_rotary, unrotate
 
 VQ = "vq"
@@ -80,8 +80,7 @@ class VQBook:
         """pair_terms [G, S, 64, 64] of one head's tables, computed once (every flush searches the same tables)."""
         key = ("search", kind, head)
         if key not in self._derived:
-            tables = getattr(self, kind)[head]
-            self._derived[key] = torch.stack([torch.stack([pair_terms(t) for t in per_group]) for per_group in tables])
+            self._derived[key] = stage_terms(getattr(self, kind)[head])
         return self._derived[key]
 
     def cos_sin(self, rope: torch.Tensor, like: torch.Tensor):

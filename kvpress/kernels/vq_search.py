@@ -33,6 +33,11 @@ def pair_terms(table: torch.Tensor) -> torch.Tensor:
     return (norms[:, None] + norms[None, :] + 2 * (table.conj()[:, :, None] * jt[:, None, :]).real.sum(0)).float()
 
 
+def stage_terms(tables: torch.Tensor) -> torch.Tensor:
+    """pair_terms [G, S, 64, 64] of every table of tables [G, S, P, 64]."""
+    return torch.stack([torch.stack([pair_terms(t) for t in per_group]) for per_group in tables])
+
+
 def _terms(residual: torch.Tensor, table: torch.Tensor, pairs: torch.Tensor | None = None):
     """(A [N, 64], B [N, 64], C [64, 64]) fp32 of residuals [N, P] (complex) over table [P, 64]; C is `pairs` when
     given (pair_terms of the table)."""
@@ -109,8 +114,7 @@ def encode(x: torch.Tensor, tables: torch.Tensor, terms: torch.Tensor | None = N
     if x.is_cuda or not available() or pairs > MAX_PAIRS:
         return encode_reference(x, tables, terms)
     residual, norms = _unit_pairs(x, pairs)
-    if terms is None:
-        terms = torch.stack([torch.stack([pair_terms(t) for t in per_group]) for per_group in tables])
+    terms = stage_terms(tables) if terms is None else terms
     re, im = residual.real.contiguous(), residual.imag.contiguous()
     t_re, t_im = tables.real.float().contiguous(), tables.imag.float().contiguous()
     pair_t = terms.float().transpose(-1, -2).contiguous()
