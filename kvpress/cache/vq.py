@@ -26,7 +26,7 @@ import torch
 from ..formats.commvq import bag_weights, decode, pack12, unpack12
 from ..formats.slots import take_slots
 from ..kernels.vq_read import VQSlots, VQTables
-from ..kernels.vq_search import encode, stage_terms
+from ..kernels.vq_search import Prepared, encode, prepare
 from ..positions import apply_rotary, unrotate
 
 VQ = "vq"
@@ -63,7 +63,7 @@ class VQBook:
     values: torch.Tensor
     rotary: RopeTable
     # what is derived from the tables once: bag weights per (kind, head, device), the stacked ones per device,
-    # the encoder's pair terms per (kind, head)
+    # the encoder's prepared tables per (kind, head)
     _derived: dict = field(default_factory=dict, repr=False, compare=False)
 
     def codes_per_slot(self, kind: str) -> int:
@@ -76,11 +76,11 @@ class VQBook:
             self._derived[key] = bag_weights(getattr(self, kind)[head]).to(device)
         return self._derived[key]
 
-    def search_terms(self, kind: str, head: int) -> torch.Tensor:
-        """pair_terms [G, S, 64, 64] of one head's tables, computed once (every flush searches the same tables)."""
+    def prepared(self, kind: str, head: int) -> Prepared:
+        """What the encoder derives from one head's tables, built once (every flush searches the same tables)."""
         key = ("search", kind, head)
         if key not in self._derived:
-            self._derived[key] = stage_terms(getattr(self, kind)[head])
+            self._derived[key] = prepare(getattr(self, kind)[head])
         return self._derived[key]
 
     def cos_sin(self, rope: torch.Tensor, like: torch.Tensor):
@@ -106,7 +106,7 @@ def encode_commvq(keys, values, valid, rope, book: VQBook) -> "VQCodes":
     pre_rope = unrotate(keys.reshape(-1, 1, 1, dim), cos, sin).view(batch, heads, n, dim) * mask
     codes, norms = [], {}
     for kind, x in (("keys", pre_rope), ("values", values.float() * mask)):
-        per_head = [encode(x[:, h].reshape(-1, dim), getattr(book, kind)[h], book.search_terms(kind, h))
+        per_head = [encode(x[:, h].reshape(-1, dim), getattr(book, kind)[h], book.prepared(kind, h))
                     for h in range(heads)]
         codes.append(torch.stack([c.view(batch, n, -1) for c, _ in per_head], 1))  # [B, Hkv, n, G * S]
         norms[kind] = torch.stack([m.view(batch, n) for _, m in per_head], 1).half()

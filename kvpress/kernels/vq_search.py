@@ -13,6 +13,7 @@ way, the codeword chosen is as near either way)."""
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -33,9 +34,22 @@ def pair_terms(table: torch.Tensor) -> torch.Tensor:
     return (norms[:, None] + norms[None, :] + 2 * (table.conj()[:, :, None] * jt[:, None, :]).real.sum(0)).float()
 
 
-def stage_terms(tables: torch.Tensor) -> torch.Tensor:
-    """pair_terms [G, S, 64, 64] of every table of tables [G, S, P, 64]."""
-    return torch.stack([torch.stack([pair_terms(t) for t in per_group]) for per_group in tables])
+@dataclass(frozen=True)
+class Prepared:
+    """What the encoder derives from tables [G, S, P, 64] (complex) alone, so a coder that searches them many times
+    (every flush of a layer) builds it once: the pair terms [G, S, 64, 64] (the torch search's C), and vq_cpu.c's
+    inputs, the tables' real and imaginary parts and the terms transposed."""
+
+    terms: torch.Tensor
+    real: torch.Tensor
+    imag: torch.Tensor
+    terms_t: torch.Tensor
+
+
+def prepare(tables: torch.Tensor) -> Prepared:
+    terms = torch.stack([torch.stack([pair_terms(t) for t in per_group]) for per_group in tables])
+    return Prepared(terms, tables.real.float().contiguous(), tables.imag.float().contiguous(),
+                    terms.transpose(-1, -2).contiguous())
 
 
 def _terms(residual: torch.Tensor, table: torch.Tensor, pairs: torch.Tensor | None = None):
@@ -93,32 +107,30 @@ def _unit_pairs(x: torch.Tensor, pairs: int) -> tuple[torch.Tensor, torch.Tensor
     return to_pairs(x / norms.clamp(min=1e-12)[:, None], pairs), norms
 
 
-def encode_reference(x: torch.Tensor, tables: torch.Tensor, terms: torch.Tensor | None = None):
+def encode_reference(x: torch.Tensor, tables: torch.Tensor, prepared: Prepared | None = None):
     """(codes [N, G, S] int64, norms [N] fp32) of vectors x [N, D] over tables [G, S, P, 64] (complex): each group
-    of P pairs of x / |x| is the sum of S codewords, one per stage, chosen greedily. `terms` [G, S, 64, 64]: the
-    tables' pair_terms, when the caller keeps them."""
+    of P pairs of x / |x| is the sum of S codewords, one per stage, chosen greedily. `prepared`: prepare(tables),
+    when the caller keeps it."""
     groups, stages, pairs, _ = tables.shape
     residual, norms = _unit_pairs(x, pairs)
     codes = torch.zeros(x.shape[0], groups, stages, dtype=torch.long, device=x.device)
     for g in range(groups):
         r = residual[:, g]
         for s in range(stages):
-            codes[:, g, s] = nearest(r, tables[g, s], None if terms is None else terms[g, s])
+            codes[:, g, s] = nearest(r, tables[g, s], None if prepared is None else prepared.terms[g, s])
             r = r - codewords(codes[:, g, s], tables[g, s])
     return codes, norms
 
 
-def encode(x: torch.Tensor, tables: torch.Tensor, terms: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def encode(x: torch.Tensor, tables: torch.Tensor, prepared: Prepared | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """encode_reference's codes and norms, every stage of a row in one vq_cpu.c call on CPU where it builds."""
     groups, stages, pairs, _ = tables.shape
     if x.is_cuda or not available() or pairs > MAX_PAIRS:
-        return encode_reference(x, tables, terms)
+        return encode_reference(x, tables, prepared)
     residual, norms = _unit_pairs(x, pairs)
-    terms = stage_terms(tables) if terms is None else terms
+    prepared = prepare(tables) if prepared is None else prepared
     re, im = residual.real.contiguous(), residual.imag.contiguous()
-    t_re, t_im = tables.real.float().contiguous(), tables.imag.float().contiguous()
-    pair_t = terms.float().transpose(-1, -2).contiguous()
     codes = torch.empty(x.shape[0], groups, stages, dtype=torch.int64)
-    _native.get().vq_encode(re.data_ptr(), im.data_ptr(), t_re.data_ptr(), t_im.data_ptr(), pair_t.data_ptr(),
-                            x.shape[0], groups, stages, pairs, codes.data_ptr())
+    _native.get().vq_encode(re.data_ptr(), im.data_ptr(), prepared.real.data_ptr(), prepared.imag.data_ptr(),
+                            prepared.terms_t.data_ptr(), x.shape[0], groups, stages, pairs, codes.data_ptr())
     return codes, norms
