@@ -16,42 +16,12 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX512F__) || defined(__F16C__)
-#include <immintrin.h>
-#endif
 
+#include "gear_terms.h"
 #include "online_softmax.h"
+#include "vectors16.h"
 
 #define MAX_DIM 1024
-
-/* GEAR's terms on top of the codes (NULL for KIVI): a rank-r correction per slot (its row factor against its
- * encoded chunk's basis) and exact outliers (keys: sparse (slot, channel, value) entries, slot -1 once evicted;
- * values: n_v channels per slot), each replacing the approximation at its entry. A split meets only its own
- * chunks (a head's slots run through its chunks in order): the queries times each one's key basis are computed
- * when it is met, and the values' low-rank part is summed per chunk met, so the work does not grow with the
- * chunks of other heads (a flat store's chunk list holds every run's). */
-typedef struct {
-    const _Float16 *k_lr, *v_lr;           /* [BH, T, rank] */
-    const _Float16 *k_basis, *v_basis;     /* [BH, Nc, D, rank] */
-    const int32_t *chunk;                  /* [BH, T] */
-    const int32_t *k_out_slot, *k_out_chan; /* [BH, n_k]; flat codes: [n_k], every run's entries */
-    const _Float16 *k_out_val;             /* [BH, n_k] */
-    const int32_t *v_out_idx;              /* [BH, T, n_v] */
-    const _Float16 *v_out_val;             /* [BH, T, n_v] */
-    int64_t rank, n_chunks, n_k, n_v;
-} gear_terms;
-
-static inline float low_rank(const _Float16 *lr, const _Float16 *basis, int64_t rank) {
-    float sum = 0.0f;
-    for (int64_t k = 0; k < rank; ++k) sum += (float)lr[k] * (float)basis[k];
-    return sum;
-}
-
-static inline float low_rank_f(const float *weights, const _Float16 *basis, int64_t rank) {
-    float sum = 0.0f;
-    for (int64_t k = 0; k < rank; ++k) sum += weights[k] * (float)basis[k];
-    return sum;
-}
 
 /* BITS is a constant in each instance, so the per-byte loop unrolls and the loop over bytes vectorises. */
 #define DEFINE_UNPACK(BITS)                                                                                    \
@@ -111,82 +81,6 @@ static void tail_split(const float *query, const float *keys, const float *value
             for (int64_t d = 0; d < dim; ++d) o[d] += weight * v[d];
         }
     }
-}
-
-/* Which slots a work item reads and whose queries read them. Rectangular codes: data head dh = qh, slots
- * [t0, t1) of that head, allowed columns = slot numbers. Flat codes (one store of per-(row, head) runs): data
- * head 0, the run's slots [t0, t1) of the store, allowed columns counted from the run's first slot a0. */
-typedef struct {
-    int64_t dh, qh, t0, t1, a0, a_width;
-    int64_t e0, e1; /* GEAR: the key outlier entries to look through: e0 <= e < e1 of `entries` (NULL: e itself) */
-    const int64_t *entries;
-} span;
-
-/* GEAR's helpers are called per chunk, per outlier entry or once per split: kept out of line, so the copies
- * of the vectorised split do not each inline them (that tripled the build time) */
-#define OUT_OF_LINE static __attribute__((noinline))
-
-/* GEAR: query rows q [R, D] times a chunk's key basis [D, rank] -> qb [R, rank] */
-OUT_OF_LINE void gear_query_basis(const float *q, const _Float16 *basis, int64_t rows, int64_t dim, int64_t rank,
-                                  float *qb) {
-    memset(qb, 0, sizeof(float) * rows * rank);
-    for (int64_t r = 0; r < rows; ++r)
-        for (int64_t d = 0; d < dim; ++d)
-            for (int64_t k = 0; k < rank; ++k) qb[r * rank + k] += q[r * dim + d] * (float)basis[d * rank + k];
-}
-
-/* GEAR: each key outlier of the split's head in its slots [t0, t1): its exact value instead of the
- * approximation, in the logits p [R, n] of query rows q [R, D] */
-OUT_OF_LINE void gear_key_outliers(const gear_terms *gear, span at, const uint8_t *k_codes, const _Float16 *k_scale,
-                                   const _Float16 *k_min, const int32_t *groups, int64_t group, int64_t length,
-                                   int64_t n_groups, int64_t dim, int bits, const float *q, int64_t rows, float scaling,
-                                   float *p, int64_t n) {
-    const int64_t dh = at.dh, rank = gear->rank, row_bytes = dim * bits / 8, per_byte = 8 / bits;
-    for (int64_t i = at.e0; i < at.e1; ++i) {
-        const int64_t e = at.entries ? at.entries[i] : i;
-        const int64_t slot = gear->k_out_slot[e], chan = gear->k_out_chan[e];
-        if (slot < at.t0 || slot >= at.t1) continue;
-        const int byte = k_codes[(dh * length + slot) * row_bytes + chan / per_byte];
-        const float stored = (float)((byte >> (bits * (chan % per_byte))) & ((1 << bits) - 1));
-        const int64_t g = groups ? groups[slot] : slot / group, c = gear->chunk[dh * length + slot];
-        const float approx = stored * (float)k_scale[(dh * n_groups + g) * dim + chan]
-            + (float)k_min[(dh * n_groups + g) * dim + chan]
-            + low_rank(gear->k_lr + (dh * length + slot) * rank,
-                       gear->k_basis + ((dh * gear->n_chunks + c) * dim + chan) * rank, rank);
-        const float delta = (float)gear->k_out_val[e] - approx;
-        for (int64_t r = 0; r < rows; ++r)
-            p[r * n + (slot - at.t0)] += q[r * dim + chan] * delta * scaling; /* -inf stays */
-    }
-}
-
-/* GEAR: slot `at_slot` (dh * length + t) of chunk c, its codes unpacked in `code` [D] and its value groups'
- * scale/min: each value outlier's exact value instead of the approximation, under `weight`, into o [D] */
-OUT_OF_LINE void gear_value_outliers(const gear_terms *gear, int64_t at_slot, int64_t dh, int64_t c,
-                                     const float *code, const _Float16 *sc, const _Float16 *mn, int64_t width,
-                                     int64_t dim, float weight, float *o) {
-    const int64_t rank = gear->rank;
-    const _Float16 *lr = gear->v_lr + at_slot * rank;
-    for (int64_t e = 0; e < gear->n_v; ++e) {
-        const int64_t at_v = at_slot * gear->n_v + e, d = gear->v_out_idx[at_v];
-        const float approx = code[d] * (float)sc[d / width] + (float)mn[d / width]
-            + low_rank(lr, gear->v_basis + ((dh * gear->n_chunks + c) * dim + d) * rank, rank);
-        o[d] += weight * ((float)gear->v_out_val[at_v] - approx);
-    }
-}
-
-/* GEAR: the values' low-rank part, per chunk met (the probabilities times its slots' row factors, by_chunk
- * [n_met, R, rank]) times the chunk's value basis, added to acc [R, D] */
-OUT_OF_LINE void gear_value_low_rank(const gear_terms *gear, int64_t dh, const int64_t *met, int64_t n_met,
-                                     const float *by_chunk, int64_t rows, int64_t dim, float *acc) {
-    const int64_t rank = gear->rank;
-    for (int64_t r = 0; r < rows; ++r)
-        for (int64_t d = 0; d < dim; ++d) {
-            float sum = 0.0f;
-            for (int64_t i = 0; i < n_met; ++i)
-                sum += low_rank_f(by_chunk + (i * rows + r) * rank,
-                                  gear->v_basis + ((dh * gear->n_chunks + met[i]) * dim + d) * rank, rank);
-            acc[r * dim + d] += sum;
-        }
 }
 
 static void one_split(const uint8_t *k_codes, const _Float16 *k_scale, const _Float16 *k_min, const int32_t *k_group,
@@ -285,65 +179,8 @@ static void one_split(const uint8_t *k_codes, const _Float16 *k_scale, const _Fl
  * code row is unpacked straight into channel order, 16 channels per vector; the rows' key weights and the value
  * accumulators stay in registers for the whole split. Same inputs and results as one_split, for rows
  * [r0, r0 + RB) of the item; GEAR's terms (with_gear, a constant in each copy) through the same helpers. */
-typedef float v16f __attribute__((vector_size(64)));
-typedef float v8f __attribute__((vector_size(32)));
-typedef float v4f __attribute__((vector_size(16)));
-typedef uint32_t v16u __attribute__((vector_size(64)));
-typedef uint32_t v4u __attribute__((vector_size(16)));
-typedef int32_t v16i __attribute__((vector_size(64)));
 #define MAX_VECTORS 8 /* head_dim 128 */
 #define MAX_ROW_BLOCK 4
-
-static inline float sum16(v16f x) { /* halves added, then quarters (no shuffle builtin: GCC < 12 has none) */
-    v8f a, b;
-    memcpy(&a, &x, sizeof a);
-    memcpy(&b, (const char *)&x + sizeof a, sizeof b);
-    a += b;
-    v4f c, d;
-    memcpy(&c, &a, sizeof c);
-    memcpy(&d, (const char *)&a + sizeof c, sizeof d);
-    c += d;
-    return (c[0] + c[2]) + (c[1] + c[3]);
-}
-
-static inline v16f load16(const float *src) {
-    v16f x;
-    memcpy(&x, src, sizeof x);
-    return x;
-}
-
-/* 16 fp16 values as floats: one conversion instruction where the machine has one (GCC 12 converts a vector of
- * _Float16 lane by lane), else lane by lane into registers (never stored as scalars and reloaded as a vector:
- * that stalls store forwarding) */
-static inline v16f load16_half(const _Float16 *src) {
-#if defined(__AVX512F__)
-    return (v16f)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)src));
-#elif defined(__F16C__)
-    const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)src)),
-                 hi = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + 8)));
-    v16f x;
-    memcpy(&x, &lo, sizeof lo);
-    memcpy((char *)&x + sizeof lo, &hi, sizeof hi);
-    return x;
-#else
-    return (v16f){src[0], src[1], src[2], src[3], src[4], src[5], src[6], src[7], src[8], src[9], src[10], src[11],
-                  src[12], src[13], src[14], src[15]};
-#endif
-}
-
-/* GEAR's rank-long rows (rank <= 4 in the vectorised split) as one vector, zero beyond the rank, built in
- * registers (no read past the row) */
-#define MAX_RANK_VECTOR 4
-static inline v4f rank_vector_half(const _Float16 *row, int64_t rank) {
-    return (v4f){(float)row[0], rank > 1 ? (float)row[1] : 0.0f, rank > 2 ? (float)row[2] : 0.0f,
-                 rank > 3 ? (float)row[3] : 0.0f};
-}
-
-static inline v4f rank_vector(const float *row, int64_t rank) {
-    return (v4f){row[0], rank > 1 ? row[1] : 0.0f, rank > 2 ? row[2] : 0.0f, rank > 3 ? row[3] : 0.0f};
-}
-
-static inline float sum4(v4f x) { return (x[0] + x[2]) + (x[1] + x[3]); }
 
 /* a code row of `dim` channels -> dim / 16 vectors of channels 16v .. 16v + 15. Code i of byte j is channel
  * j * (8 / bits) + i, so in a little-endian 32-bit word of the row channel c's code is bits [c * bits, (c + 1) *
