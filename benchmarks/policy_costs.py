@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 
 import kvpress
-from evals.cli import load_model, pick_device, resolve_model
+from evals.cli import load_model, pick_device
+from evals.plan import resolve_model
 from evals.engine import configs_for
 from kvpress.compressed import TokenClock
 from kvpress.needle import needle_prompt
