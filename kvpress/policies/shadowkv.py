@@ -20,8 +20,9 @@ the model's own scaling (1/sqrt(D)), not a hard-coded 1/sqrt(128); the values re
 accuracy class keeps them on the GPU); padded batches are supported (the official accuracy class takes one row);
 a prompt with fewer selectable chunks than the budget is read whole (the official code asserts); a budget that is
 not a multiple of chunk_size is rounded down to whole chunks (at least one). The paper's rank share is too low for
-SmolLM2-135M's 3 x 64 keys. At 8K, rank 30 loses 4.6 +- 4.7 points against the full cache, and rank 64 loses
-1.7 +- 3.5, but its memory tier then holds 29% of the full cache's bytes instead of 20% (docs/results/shadowkv_8k).
+SmolLM2-135M's 3 x 64 keys. At 8K (n = 20 per task), rank 30 loses 5.8 +- 3.1 points against the full cache, and
+rank 64 still loses 4.0 +- 2.3 with 29% of the full cache's bytes in memory instead of 20%
+(docs/results/shadowkv_8k_n20).
 `rank` sets it.
 
 `ShadowKVView` is the same selection as a self-speculative draft (speculative_generate(draft="shadowkv")) over the
