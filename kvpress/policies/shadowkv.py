@@ -22,8 +22,8 @@ a prompt with fewer selectable chunks than the budget is read whole (the officia
 not a multiple of chunk_size is rounded down to whole chunks (at least one). The paper's rank share is too low for
 SmolLM2-135M's 3 x 64 keys. At 8K (n = 20 per task), rank 30 loses 5.8 +- 3.1 points against the full cache, and
 rank 64 still loses 4.0 +- 2.3 with 29% of the full cache's bytes in memory instead of 20%
-(docs/results/shadowkv_8k_n20).
-`rank` sets it.
+(docs/results/shadowkv_8k_n20). The selection is not the cause: with full-rank factors it loses 0.4 +- 2.3
+(docs/results/shadowkv_8k_ablation). `rank` sets it.
 
 `ShadowKVView` is the same selection as a self-speculative draft (speculative_generate(draft="shadowkv")) over the
 target's exact cache: it reads the chosen chunks' stored keys, as the target's cache must stay exact to verify.
