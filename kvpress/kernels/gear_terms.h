@@ -1,10 +1,12 @@
-/* GEAR's terms on top of KIVI's codes, for lowbit_cpu.c: the arrays (gear_terms), a work item's slots (span) and
- * the out-of-line helpers both of its splits call. */
+/* GEAR's terms on top of KIVI's codes, for lowbit_cpu.c: the arrays (gear_terms) and the out-of-line helpers both
+ * of its splits call. */
 #ifndef KVPRESS_GEAR_TERMS_H
 #define KVPRESS_GEAR_TERMS_H
 
 #include <stdint.h>
 #include <string.h>
+
+#include "lowbit_span.h"
 
 /* GEAR's terms on top of the codes (NULL for KIVI): a rank-r correction per slot (its row factor against its
  * encoded chunk's basis) and exact outliers (keys: sparse (slot, channel, value) entries, slot -1 once evicted;
@@ -34,15 +36,6 @@ static inline float low_rank_f(const float *weights, const _Float16 *basis, int6
     for (int64_t k = 0; k < rank; ++k) sum += weights[k] * (float)basis[k];
     return sum;
 }
-
-/* Which slots a work item reads and whose queries read them. Rectangular codes: data head dh = qh, slots
- * [t0, t1) of that head, allowed columns = slot numbers. Flat codes (one store of per-(row, head) runs): data
- * head 0, the run's slots [t0, t1) of the store, allowed columns counted from the run's first slot a0. */
-typedef struct {
-    int64_t dh, qh, t0, t1, a0, a_width;
-    int64_t e0, e1; /* GEAR: the key outlier entries to look through: e0 <= e < e1 of `entries` (NULL: e itself) */
-    const int64_t *entries;
-} span;
 
 /* GEAR's helpers are called per chunk, per outlier entry or once per split: kept out of line, so the copies
  * of the vectorised split do not each inline them (that tripled the build time) */

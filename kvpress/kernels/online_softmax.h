@@ -57,6 +57,14 @@ static inline float fold_block(float *row, int64_t n, float *m, float *l) {
     return correction;
 }
 
+/* The states of `rows` rows whose first block is p [rows, n]: fold_block from an empty state (m = -inf, l = 0). */
+static inline void start_rows(float *p, int64_t rows, int64_t n, float *m_out, float *l_out) {
+    for (int64_t r = 0; r < rows; ++r) {
+        m_out[r] = -INFINITY, l_out[r] = 0.0f;
+        fold_block(p + r * n, n, m_out + r, l_out + r);
+    }
+}
+
 /* Work item `split` of `splits` over n slots reads [*lo, *hi): runs of ceil(n / splits), the last ones shorter or
  * empty. */
 static inline void split_range(int64_t n, int64_t splits, int64_t split, int64_t *lo, int64_t *hi) {
