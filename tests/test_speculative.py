@@ -369,11 +369,12 @@ def test_smollm2_greedy_speculation_is_lossless_for_every_draft(smollm2):
     ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                   return_tensors="pt", return_dict=True)["input_ids"]
     ref = plain(model, ids, torch.ones_like(ids), 16)
-    for draft in KINDS:
-        for gamma in (1, 4):  # one token drafted, and several (rollback inside a round)
-            out = speculative_generate(model, ids, draft=draft, gamma=gamma, max_new_tokens=16, draft_budget=64,
-                                       eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-            assert out.tolist() == ref.tolist(), (draft, gamma)
+    # every draft at one gamma, taking turns between one token drafted and several (rollback inside a round); the
+    # tiny models run every draft at gammas 1, 3 and 5
+    for draft, gamma in zip(KINDS, [1, 4] * len(KINDS)):
+        out = speculative_generate(model, ids, draft=draft, gamma=gamma, max_new_tokens=16, draft_budget=64,
+                                   eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+        assert out.tolist() == ref.tolist(), (draft, gamma)
     with kvpress.patch_model(model, "kivi", bits=8, group_size=32, residual_length=32):
         ref = plain(model, ids, torch.ones_like(ids), 16)
         for gamma in (1, 3, 5):
