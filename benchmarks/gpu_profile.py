@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
 import kvpress
-from benchmarks.gpu_suite import e2e_policies, llama8b
+from benchmarks.gpu_sections.model import e2e_policies, llama8b
 from kvpress import KVPressCache
 
 
@@ -73,7 +73,7 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--top", type=int, default=18)
     p.add_argument("--policies", default=None, help="first words of the labels: vanilla (transformers unpatched, with "
-                   "and without cuDNN attention), then gpu_suite.e2e_policies's; default all")
+                   "and without cuDNN attention), then gpu_sections.model.e2e_policies's; default all")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("gpu_profile.py needs CUDA")

@@ -48,7 +48,7 @@ def test_the_captured_decode_section_runs_on_cpu():
     decode through one compiled graph each and report their bytes."""
     sys.path.insert(0, str(SCRIPT.parent))
     try:
-        import gpu_suite
+        from gpu_sections.capture import captured_decode
     finally:
         sys.path.remove(str(SCRIPT.parent))
     from tests.conftest import tiny_model
@@ -57,5 +57,5 @@ def test_the_captured_decode_section_runs_on_cpu():
     ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(0))
     codec = dict(bits=4, group_size=16, residual_length=16)
     for policy, params in [(None, {}), ("none", {}), ("snapkv+kivi", dict(compression_ratio=0.5, **codec))]:
-        out = gpu_suite.captured_decode(model, policy, params, ids, steps=4, warmup=2, backend="eager")
+        out = captured_decode(model, policy, params, ids, steps=4, warmup=2, backend="eager")
         assert out["step_ms"] > 0 and out["kv_bytes"] > 0
