@@ -6,37 +6,25 @@ A `CompressedContext` is a context's compressed cache, the model it belongs to, 
 (questions.py). Asking forks the cache (its tensors are shared, it never changes) and extends the fork with the
 questions, left-padded to one batch, under the same policy; the answers are what asking each alone gives.
 
-The file is safetensors: tensors and a JSON header, nothing executed on load. The header holds a format name and
-version, the kvpress version, the model's identity (architecture shape and a fingerprint of every weight tensor),
-the cache's dtype, the policy, the question format, the tokenizer's fingerprint and a checksum of the tensors'
-bytes: a file for another model, another tokenizer, or with damaged bytes is refused, saying why.
+The file (context_file.py) is safetensors, nothing executed on load; a file for another model, another tokenizer,
+with a damaged byte, or holding what no cache of the model holds is refused, saying why.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open  # transformers' own dependency
-from safetensors.torch import save_file
 
+from . import context_file
 from .cache import KVPressCache, KVPressLayer
-from .cache import saving
-from .formats.calibration import model_identity
+from .context_file import policy_from_spec, policy_spec, tokenizer_fingerprint
 from .integrations import patch_model
 from .integrations.hf import with_cache
-from .policies.registry import get_policy_class, resolve_policy
+from .policies.registry import resolve_policy
 from .questions import QuestionFormat, left_padded, split_prompt, stop_ids
-from .version import __version__
-
-FILE_FORMAT = "kvpress compressed context"
-FILE_VERSION = 1
-_TOKENIZER_PROBE = "kvpress tokenizer probe: The quick brown fox, 0123456789.\n\u00e9\u4e2d"
 
 
 class TokenClock:
@@ -81,55 +69,6 @@ class Answers:
 
     def __getitem__(self, i):
         return self.answers[i]
-
-
-def policy_spec(policy) -> list[dict]:
-    """A resolved policy as [{"name", "params"}] per part: every hyper-parameter a JSON file can hold. Refused when
-    a part holds another object (other than a tokenizer, which is given again when the context is asked)."""
-    spec = []
-    for part in policy.parts():
-        params = {}
-        for f in dataclasses.fields(part):
-            value = getattr(part, f.name)
-            if isinstance(value, (bool, int, float, str, type(None))):
-                params[f.name] = value
-            elif f.name != "tokenizer" and value != f.default:
-                raise ValueError(f"policy {part.name!r}: {f.name}={type(value).__name__}(...) cannot be recorded; "
-                                 f"allowed: hyper-parameters given as numbers or strings (a calibration as its path)")
-        spec.append(dict(name=part.name, params=params))
-    return spec
-
-
-def policy_from_spec(spec: list[dict], tokenizer=None):
-    """The policy a spec records (a fresh instance: a policy serves one patch at a time)."""
-    parts = []
-    for entry in spec:
-        cls = get_policy_class(entry["name"])
-        params = dict(entry["params"])
-        if tokenizer is not None and "tokenizer" in {f.name for f in dataclasses.fields(cls)}:
-            params["tokenizer"] = tokenizer
-        parts.append(cls(**params))
-    return resolve_policy(parts if len(parts) > 1 else parts[0])
-
-
-def weights_fingerprint(model) -> str:
-    """A digest of every parameter's name, shape and first elements (bf16): any fine-tune changes it."""
-    digest = hashlib.sha256()
-    for name, p in model.named_parameters():
-        head = p.detach().flatten()[:64].to("cpu", torch.bfloat16).contiguous()
-        digest.update(f"{name}{tuple(p.shape)}".encode())
-        digest.update(head.view(torch.int16).numpy().tobytes())
-    return digest.hexdigest()[:32]
-
-
-def tokenizer_fingerprint(tokenizer) -> str:
-    text = json.dumps([list(tokenizer.encode(_TOKENIZER_PROBE, add_special_tokens=True)),
-                       getattr(tokenizer, "chat_template", None) or ""])
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def _identity(model) -> dict:
-    return dict(model_identity(model), parameters=weights_fingerprint(model))
 
 
 class CompressedContext:
@@ -212,7 +151,7 @@ class CompressedContext:
     def _generate(self, questions: list[list[int]], max_new_tokens: int, stop: set, pad: int, tokenizer):
         model = self.model
         ids, mask = left_padded(self.context_ids, questions, pad)
-        device = _device(model)
+        device = context_file.model_device(model)
         cache = self.cache.fork()
         cache.batch_repeat_interleave(len(questions))
         clock = TokenClock()
@@ -231,16 +170,9 @@ class CompressedContext:
 
     # -- keeping
     def save(self, path) -> Path:
-        """Write this context to `path` (safetensors; see the module docstring). Returns the path."""
-        tensors, cache_meta = saving.to_tensors(self.cache)
-        tensors["context_ids"] = self.context_ids.to("cpu").contiguous().clone()
-        header = dict(format=FILE_FORMAT, version=FILE_VERSION, kvpress=__version__, model=_identity(self.model),
-                      dtype=str(_dtype(self.model)).removeprefix("torch."), policy=self.policy,
-                      question_format=self.question_format.to_dict(), tokenizer=self.tokenizer_id,
-                      compress_s=self.compress_s, cache=cache_meta, checksum=_checksum(tensors))
-        path = Path(path)
-        save_file(tensors, str(path), metadata={"kvpress": json.dumps(header)})
-        return path
+        """Write this context to `path` (safetensors, context_file.py). Returns the path."""
+        return context_file.write(path, self.model, self.cache, self.context_ids, self.policy, self.question_format,
+                                  self.tokenizer_id, self.compress_s)
 
 
 def compress(model, tokenizer, context: str, policy="kvzap", *, chat_template: bool | None = None,
@@ -254,7 +186,7 @@ def compress(model, tokenizer, context: str, policy="kvzap", *, chat_template: b
     with patch_model(model, policy_from_spec(spec, tokenizer), prefill_chunk_size=prefill_chunk_size):
         start = time.perf_counter()
         with torch.no_grad():
-            ids = context_ids.to(_device(model))
+            ids = context_ids.to(context_file.model_device(model))
             model(**with_cache(model, cache, input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True,
                                logits_to_keep=1))
         elapsed = time.perf_counter() - start
@@ -272,53 +204,8 @@ def ask(model, tokenizer, context: str, questions, policy="kvzap", *, max_new_to
 
 def load(path, model) -> CompressedContext:
     """The context `save` wrote to `path`, for `model`: refused (ValueError, saying why) when the file is not a
-    kvpress context, is damaged, or was made by another model or in another dtype."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"path={str(path)!r}: no such file")
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            header = json.loads((f.metadata() or {})["kvpress"])
-            tensors = {name: f.get_tensor(name) for name in f.keys()}
-    except Exception as e:  # safetensors' header errors, a missing key, bad JSON: one message
-        raise ValueError(f"{path}: not a readable kvpress context file ({type(e).__name__}: {e})") from None
-    if header.get("format") != FILE_FORMAT or header.get("version") != FILE_VERSION:
-        raise ValueError(f"{path}: format {header.get('format')!r} version {header.get('version')!r}; this kvpress "
-                         f"reads {FILE_FORMAT!r} version {FILE_VERSION}")
-    if "context_ids" not in tensors or not isinstance(header.get("model"), dict):
-        raise ValueError(f"{path}: not a readable kvpress context file (no context ids or model identity)")
-    if _checksum(tensors) != header.get("checksum"):
-        raise ValueError(f"{path}: damaged (its tensors' bytes do not match the checksum written with them)")
-    mine = _identity(model)
-    saved = header["model"]
-    differ = [f"{k}: file {saved.get(k)!r}, model {v!r}" for k, v in mine.items() if saved.get(k) != v]
-    if differ:
-        raise ValueError(f"{path} was compressed with another model ({'; '.join(differ)}); allowed: the model it "
-                         f"was made with")
-    dtype = str(_dtype(model)).removeprefix("torch.")
-    if header["dtype"] != dtype:
-        raise ValueError(f"{path} holds a {header['dtype']} cache; the model runs in {dtype}; allowed: the model in "
-                         f"{header['dtype']} (model.to(torch.{header['dtype']}))")
-    try:
-        cache = saving.from_tensors(tensors, header["cache"], model.config, device=_device(model))
-    except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{path}: its cache cannot be rebuilt ({type(e).__name__}: {e})") from None
-    return CompressedContext(model, cache, tensors["context_ids"], header["policy"],
-                             QuestionFormat(**header["question_format"]), header["tokenizer"], header["compress_s"])
-
-
-def _checksum(tensors: dict) -> str:
-    digest = hashlib.sha256()
-    for name in sorted(tensors):
-        t = tensors[name].contiguous()
-        digest.update(f"{name}{t.dtype}{tuple(t.shape)}".encode())
-        digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return digest.hexdigest()
-
-
-def _device(model) -> torch.device:
-    return next(model.parameters()).device
-
-
-def _dtype(model) -> torch.dtype:
-    return next(model.parameters()).dtype
+    kvpress context, is damaged, was made by another model or in another dtype, or holds what no cache of this model
+    holds (context_file.py checks every field and tensor before anything is built)."""
+    saved = context_file.read(path, model)
+    return CompressedContext(model, saved.cache, saved.context_ids, saved.policy, saved.question_format,
+                             saved.tokenizer_id, saved.compress_s)

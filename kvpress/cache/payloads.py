@@ -17,6 +17,7 @@ from typing import Callable, ClassVar, Protocol
 
 import torch
 
+from ..formats import checked
 from ..formats.slots import take_slots
 
 
@@ -70,6 +71,10 @@ class Payload(Protocol):
 
     def offloaded_nbytes(self) -> int:
         """Bytes kept outside memory (a file tier), not in nbytes()."""
+
+    def check(self, where: str, batch: int, heads: int, head_dim: int, dtype: torch.dtype) -> None:
+        """Refuse (ValueError naming the field under `where`) what a model of this shape and dtype never stores: the
+        payload of a file, read before anything is built from it. (b, h) = (batch, heads) of its per-slot tensors."""
 
 
 @dataclass
@@ -176,6 +181,10 @@ class FullPrecision:
 
     def offloaded_nbytes(self) -> int:
         return 0
+
+    def check(self, where: str, batch: int, heads: int, head_dim: int, dtype: torch.dtype) -> None:
+        checked.tensor(self.keys, f"{where}.keys", dtype, (batch, heads, None, head_dim), finite=True)
+        checked.tensor(self.values, f"{where}.values", dtype, (batch, heads, self.num_slots, head_dim), finite=True)
 
 
 def _grown(old: torch.Tensor, new: torch.Tensor, capacity: int) -> torch.Tensor:

@@ -15,6 +15,7 @@ from typing import ClassVar
 
 import torch
 
+from . import checked
 from .slots import take_slots
 
 SUPPORTED_BITS = (2, 4, 8)
@@ -134,6 +135,56 @@ class LowBitCodes:
 
     def offloaded_nbytes(self) -> int:
         return 0
+
+    def check(self, where: str, batch: int, heads: int, head_dim: int, dtype: torch.dtype) -> None:
+        """Refuse (ValueError naming the field) codes a model of this head size never stores: a file's, before
+        anything reads them (every index in range, every scale finite; the protocol of kvpress/cache/payloads.py)."""
+        bits = checked.integer(self.bits, f"{where}.bits")
+        if bits not in SUPPORTED_BITS:
+            raise ValueError(f"{where}.bits={bits}; allowed values: {list(SUPPORTED_BITS)}")
+        group = checked.integer(self.group_size, f"{where}.group_size", 1)
+        packed = head_dim * bits // 8
+        t = checked.tensor(self.k_codes, f"{where}.k_codes", torch.uint8, (batch, heads, None, packed)).shape[2]
+        checked.tensor(self.v_codes, f"{where}.v_codes", torch.uint8, (batch, heads, t, packed))
+        n_groups = checked.tensor(self.k_scale, f"{where}.k_scale", torch.float16, (batch, heads, None, head_dim),
+                                 finite=True).shape[2]
+        checked.tensor(self.k_min, f"{where}.k_min", torch.float16, tuple(self.k_scale.shape), finite=True)
+        v_groups = checked.tensor(self.v_scale, f"{where}.v_scale", torch.float16, (batch, heads, t, None),
+                                 finite=True).shape[3]
+        if v_groups < 1 or head_dim % v_groups:
+            raise ValueError(f"{where}.v_scale: {v_groups} value groups per slot; allowed: a divisor of {head_dim}")
+        checked.tensor(self.v_min, f"{where}.v_min", torch.float16, tuple(self.v_scale.shape), finite=True)
+        if self.k_group is None:
+            if n_groups * group < t:
+                raise ValueError(f"{where}.k_scale: {n_groups} key groups for {t} slots in groups of {group}")
+        else:
+            checked.within(checked.tensor(self.k_group, f"{where}.k_group", torch.int32, (batch, heads, t)),
+                          f"{where}.k_group", 0, n_groups)
+        gear = ("k_out_slot", "k_out_chan", "k_out_val", "v_out_idx", "v_out_val", "k_lr", "v_lr", "k_basis",
+                "v_basis", "chunk")
+        present = [name for name in gear if getattr(self, name) is not None]
+        if not present:
+            return
+        if len(present) != len(gear):
+            raise ValueError(f"{where}: GEAR terms {present} without {sorted(set(gear) - set(present))}")
+        channel = (torch.uint8, torch.int16)
+        n_out = checked.tensor(self.k_out_slot, f"{where}.k_out_slot", torch.int32, (batch, heads, None)).shape[2]
+        checked.within(self.k_out_slot, f"{where}.k_out_slot", -1, t)
+        checked.within(checked.tensor(self.k_out_chan, f"{where}.k_out_chan", channel, (batch, heads, n_out)),
+                      f"{where}.k_out_chan", 0, head_dim)
+        checked.tensor(self.k_out_val, f"{where}.k_out_val", torch.float16, (batch, heads, n_out), finite=True)
+        per_row = checked.tensor(self.v_out_idx, f"{where}.v_out_idx", channel, (batch, heads, t, None)).shape[3]
+        checked.within(self.v_out_idx, f"{where}.v_out_idx", 0, head_dim)
+        checked.tensor(self.v_out_val, f"{where}.v_out_val", torch.float16, (batch, heads, t, per_row), finite=True)
+        chunks = checked.tensor(self.k_basis, f"{where}.k_basis", torch.float16, (batch, heads, None, head_dim, None),
+                               finite=True).shape[2]
+        for kind in ("k", "v"):
+            rank = checked.tensor(getattr(self, f"{kind}_lr"), f"{where}.{kind}_lr", torch.float16,
+                                 (batch, heads, t, None), finite=True).shape[3]
+            checked.tensor(getattr(self, f"{kind}_basis"), f"{where}.{kind}_basis", torch.float16,
+                          (batch, heads, chunks, head_dim, rank), finite=True)
+        checked.within(checked.tensor(self.chunk, f"{where}.chunk", torch.int32, (batch, heads, t)), f"{where}.chunk",
+                      0, chunks)
 
     def key_groups(self) -> torch.Tensor:
         if self.k_group is not None:
