@@ -21,7 +21,7 @@ import torch
 from . import context_file
 from .cache import KVPressCache, KVPressLayer
 from .context_file import policy_from_spec, policy_spec, tokenizer_fingerprint
-from .integrations import patch_model
+from .integrations.scoped import patched_for_call
 from .integrations.hf import with_cache
 from .policies.registry import resolve_policy
 from .questions import QuestionFormat, left_padded, split_prompt, stop_ids
@@ -155,7 +155,7 @@ class CompressedContext:
         cache = self.cache.fork()
         cache.batch_repeat_interleave(len(questions))
         clock = TokenClock()
-        with patch_model(model, self.make_policy(tokenizer)):
+        with patched_for_call(model, self.make_policy(tokenizer)):
             start = time.perf_counter()
             out = model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
                                  do_sample=False, temperature=None, top_p=None, top_k=None, pad_token_id=pad,
@@ -183,7 +183,7 @@ def compress(model, tokenizer, context: str, policy="kvzap", *, chat_template: b
     spec = policy_spec(resolve_policy(policy, **params))
     context_ids, fmt = split_prompt(tokenizer, context, chat_template)
     cache = KVPressCache(model.config)
-    with patch_model(model, policy_from_spec(spec, tokenizer), prefill_chunk_size=prefill_chunk_size):
+    with patched_for_call(model, policy_from_spec(spec, tokenizer), prefill_chunk_size=prefill_chunk_size):
         start = time.perf_counter()
         with torch.no_grad():
             ids = context_ids.to(context_file.model_device(model))

@@ -74,3 +74,43 @@ def record_held_tokens():
         yield held
     finally:
         KVPressLayer.update = real_update
+
+
+def reachable_storage_bytes(obj) -> int:
+    """Bytes of the distinct allocations behind every tensor reachable from `obj` through kvpress and transformers
+    cache objects' attributes, dataclass fields, dicts, lists and tuples: what a cache really holds, found without
+    asking the cache (its nbytes() must account for all of it)."""
+    import dataclasses
+
+    seen, storages = set(), {}
+
+    def walk(o):
+        if id(o) in seen:
+            return
+        seen.add(id(o))
+        if isinstance(o, torch.Tensor):
+            storage = o.untyped_storage()
+            if storage.nbytes():  # an empty tensor may sit at another allocation's address
+                storages[(storage.device, storage.data_ptr())] = storage.nbytes()
+            return
+        if isinstance(o, dict):
+            children = list(o.values())
+        elif isinstance(o, (list, tuple, set)):
+            children = list(o)
+        elif dataclasses.is_dataclass(o) and not isinstance(o, type):
+            children = [getattr(o, f.name) for f in dataclasses.fields(o)] + list(getattr(o, "__dict__", {}).values())
+        elif hasattr(o, "__dict__") and type(o).__module__.startswith(("kvpress", "transformers.cache_utils")):
+            children = list(vars(o).values())
+        else:
+            return
+        for child in children:
+            walk(child)
+
+    walk(obj)
+    return sum(storages.values())
+
+
+def counter_bytes(layer) -> int:
+    """Bytes of a layer's per-row counters ([B] tokens of padding, [B] budget), which nbytes() counts with its
+    storage."""
+    return sum(t.numel() * t.element_size() for t in (layer.padding, layer.row_budget) if t is not None)

@@ -16,8 +16,7 @@ import kvpress
 from kvpress import KVPressCache
 from kvpress.policies import get_policy_class
 
-from conftest import tiny_model
-from test_cache import storage_bytes
+from conftest import reachable_storage_bytes, tiny_model
 from test_calibrated import llama_file  # noqa: F401  (a calibration file for the tiny Llama: kvzap, duo_attention)
 from test_errors import untouched
 from test_padding import COMPOSED, PARAMS, _params
@@ -82,7 +81,17 @@ def test_random_parameters_are_refused_cleanly_or_run_sanely(name, llama_file): 
             held = layer.tokens_per_head()
             assert layer.seen == ids.shape[1] + NEW - 1, params
             assert bool((held >= 1).all()) and bool((held <= layer.seen).all()), params
-            assert layer.nbytes() == storage_bytes(layer), params
+            valid = layer.key_valid()
+            assert bool(torch.isfinite(layer.keys_view()[valid]).all()), params  # no NaN stored
+            assert bool(torch.isfinite(layer.values_view()[valid]).all()), params
+        budgeted = [(layer.tokens_per_head().float().mean(-1), layer.row_budget) for _, layer in cache.kvpress_layers()
+                    if layer.row_budget is not None]
+        if budgeted:  # the budgets the policy declared (per layer, or spread over layers): never more than they
+            kept = sum(k for k, _ in budgeted)  # allow, plus what decoding added
+            assert bool((kept <= sum(b for _, b in budgeted) + NEW * len(budgeted)).all()), (params, budgeted)
+        # every allocation the cache object reaches is in nbytes (or the model's shared tables, or a file tier)
+        assert cache.nbytes() + cache.shared_nbytes() == reachable_storage_bytes(cache) - cache.offloaded_nbytes(), \
+            params
         assert untouched(model), params
         outcomes["ran"] += 1
     assert outcomes["ran"] + outcomes["refused"] == TRIALS

@@ -274,15 +274,15 @@ def test_threads_patching_one_model_at_once_leave_exactly_one_patch():
 def test_threads_speculating_on_one_unpatched_model_share_its_patch(monkeypatch):
     """speculative_generate patches an unpatched model for the call: calls on several threads share that patch (two
     of them used to patch it at once, 2 runs of 3)."""
-    from kvpress.speculative import generate
+    from kvpress.integrations import scoped
 
-    real_patch_model = generate.patch_model
+    real_install = scoped.install
 
-    def slow_patch_model(*args, **kwargs):  # every thread reaches patching before the first is done
+    def slow_install(*args, **kwargs):  # every thread reaches patching before the first is done
         time.sleep(0.05)
-        return real_patch_model(*args, **kwargs)
+        return real_install(*args, **kwargs)
 
-    monkeypatch.setattr(generate, "patch_model", slow_patch_model)
+    monkeypatch.setattr(scoped, "install", slow_install)
     model = tiny_model("llama")
     prompts = [prompt(40 + 5 * i, seed=i) for i in range(3)]
     expected = [greedy(model, ids, 12) for ids in prompts]

@@ -16,7 +16,7 @@ from kvpress import KVPressCache, KVPressLayer
 from kvpress.cache.codecs import encode_kivi
 from kvpress.policies import H2O, TOVA, StreamingLLM
 
-from conftest import greedy, tiny_model
+from conftest import counter_bytes, greedy, tiny_model
 
 D = 16
 GROUP = 8
@@ -54,7 +54,7 @@ def check(layer: KVPressLayer, ref: Reference):
     # nbytes() is exactly what the storage allocations hold (no view hides a larger buffer)
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                 for segment in layer.segments for t in segment.tensors()}
-    assert layer.nbytes() == sum(storages.values())
+    assert layer.nbytes() == sum(storages.values()) + counter_bytes(layer)
     kept = int(valid.sum())
     exact = sum(1 for row in ref.tokens for held in row for _, _, e in held.values() if e)
     if all(not s.low_bit for s in layer.segments):

@@ -10,6 +10,7 @@ from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 
 from . import room as rooms
 from .forward import ForwardState
+from .held import storage_nbytes
 from .layer import KVPressLayer
 from .rollback import crop_refusal
 from .rows import stack_rows
@@ -234,14 +235,31 @@ class KVPressCache(Cache):
         return [(i, layer) for i, layer in enumerate(self.layers) if isinstance(layer, KVPressLayer)]
 
     def nbytes(self) -> int:
-        """True bytes of every layer's storage (kvpress layers: K/V + positions + validity + policy state)."""
+        """Bytes of the distinct allocations behind everything each layer holds (kvpress layers: storage, positions,
+        validity, policy and read-side state, a capture room; stock layers: their keys and values, whole buffers)."""
         total = 0
         for layer in self.layers:
             if isinstance(layer, KVPressLayer):
                 total += layer.nbytes()
             elif getattr(layer, "is_initialized", False):
-                total += sum(t.numel() * t.element_size() for t in (layer.keys, layer.values))
+                total += storage_nbytes((layer.keys, layer.values))
         return total
+
+    def trim_stock_layers(self) -> None:
+        """Give back what transformers' sliding-window layers keep past their window: after a prompt each keeps a
+        view of the whole prompt's keys and values (its window's slots of their concatenation), which holds the
+        whole allocation until its next update. Their window, copied, is all they read."""
+        for layer in self.layers:
+            if isinstance(layer, DynamicSlidingWindowLayer) and layer.is_initialized:
+                for name in ("keys", "values"):
+                    t = getattr(layer, name)
+                    if t.untyped_storage().nbytes() > t.numel() * t.element_size():
+                        setattr(layer, name, t.clone())
+
+    def shared_nbytes(self) -> int:
+        """Bytes of model-level tables the cache's storage reads but does not own (CommVQ's codebooks and what is
+        derived from them), counted once: every cache of the model shares them, so they are not in nbytes()."""
+        return storage_nbytes([t for _, layer in self.kvpress_layers() for t in layer.shared_tensors()])
 
     def offloaded_nbytes(self) -> int:
         """Bytes of storage kept outside memory, not in nbytes(): ShadowKV's values in their file tier."""

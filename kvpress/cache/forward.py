@@ -35,3 +35,9 @@ class ForwardState:
     # what the layers of the forward in flight hand to the layers after them (a read view that selects in one layer
     # for the next ones: TidalDecode); emptied before each forward
     shared: dict = field(default_factory=dict)
+
+    def ended(self) -> None:
+        """The forward returned: drop what only it needed (the caller's mask, what its layers handed each other), so
+        the cache holds no tensor past its own storage."""
+        self.token_mask = None
+        self.shared = {}

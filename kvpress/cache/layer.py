@@ -17,6 +17,7 @@ from transformers.cache_utils import CacheLayerMixin
 from ..kernels.online_softmax import Queries
 from . import append, eviction, flush, rollback, room as rooms, view
 from . import read as read_path  # (attend's argument is named `read`)
+from .held import shared_in, storage_nbytes, tensors_in
 from .read import Read
 from .segments import Segment, dense
 
@@ -64,8 +65,7 @@ class KVPressLayer(CacheLayerMixin):
         self.sorted = True  # every head's slots follow original position order (false after in-place eviction)
         self.row_budget: torch.Tensor | None = None
         self.decode_start = 0
-        # state derived from the storage for reads (Quest's page statistics); dropped by its owner on any change
-        self.derived: dict = {}
+        self.derived: dict = {}  # read-side DerivedStates (Quest's page statistics): dropped on any change
         self.policy_stats: dict[str, torch.Tensor] = {}  # per-layer policy statistics, batch-first [B, ...]
         self.seen = 0
         self.appended = 0  # tokens ever appended (never steps back, unlike seen): bounds how much a head grew
@@ -209,28 +209,23 @@ class KVPressLayer(CacheLayerMixin):
         return positions if self.padding is None else positions - self.padding.view(-1, 1, 1).to(positions.dtype)
 
     def forget_newest(self, n: int) -> None:
-        """Forget the `n` newest tokens seen (observation tokens: a policy's eviction already dropped them, a policy
-        that evicted nothing did not), wherever their slots are; seen steps back."""
+        """Forget the `n` newest tokens seen (observation tokens), wherever their slots are; seen steps back."""
         rollback.forget_newest(self, n)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self.batch_select_indices(beam_idx)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if self.is_initialized:
-            self._map_rows(lambda t: t.index_select(0, indices.to(t.device)))
+        self._map_rows(lambda t: t.index_select(0, indices.to(t.device)))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        if self.is_initialized:
-            self._map_rows(lambda t: t.repeat_interleave(repeats, dim=0))
+        self._map_rows(lambda t: t.repeat_interleave(repeats, dim=0))
 
     def offload(self) -> None:
-        if self.is_initialized:
-            self.segments, self.room = [s.to("cpu") for s in self.segments], None
+        self.segments, self.room = [s.to("cpu") for s in self.segments], None
 
     def prefetch(self) -> None:
-        if self.is_initialized:
-            self.segments = [s.to(self.device) for s in self.segments]
+        self.segments = [s.to(self.device) for s in self.segments]
 
     def _map_rows(self, fn) -> None:
         self.segments, self.room = [s.map_rows(fn) for s in self.segments], None
@@ -385,15 +380,20 @@ class KVPressLayer(CacheLayerMixin):
         return read_path.key_logits(self, query, scaling, softcap, upto, block, fp32_keys)
 
     # ------------------------------------------------------------------ bytes
+    def held_tensors(self) -> list[torch.Tensor]:
+        """Every tensor this layer holds: its segments, per-layer policy state and counters, read-side state derived
+        from the storage, a capture room (reserved slots included). nbytes() counts their distinct allocations."""
+        held = [t for s in self._segments for t in s.tensors()] + list(self.policy_stats.values())
+        held += [t for t in (self.padding, self.row_budget) if t is not None] + tensors_in(self.derived)
+        return held + (self.room.tensors() if self.room is not None else [])
+
     def nbytes(self) -> int:
-        """Bytes held by this layer's tensors (keys, values or codes, positions, validity, policy state)."""
-        if not self.is_initialized:
-            return 0
-        segments, room = self._segments, self.room
-        if room is not None and room.backs(self):
-            segments = segments[:-1]  # the tail is views of the room, counted whole (reserved + used) below
-        held = [t for s in segments for t in s.tensors()] + list(self.policy_stats.values())  # (LESS's state sums)
-        return sum(t.numel() * t.element_size() for t in held) + (room.nbytes() if room is not None else 0)
+        return storage_nbytes(self.held_tensors()) if self.is_initialized else 0
+
+    def shared_tensors(self) -> list[torch.Tensor]:
+        """Tables this layer reads that the model owns (CommVQ's codebooks, a calibration's channels): reported apart
+        from nbytes(), once for every cache of the model (KVPressCache.shared_nbytes)."""
+        return [t for s in self._segments for t in s.data.shared_tensors()] + shared_in(self.derived)
 
     def kv_nbytes(self) -> int:
         """Bytes held by keys and values (or their codes) alone."""

@@ -69,6 +69,10 @@ class Payload(Protocol):
 
     def nbytes(self) -> int: ...
 
+    def shared_tensors(self) -> list[torch.Tensor]:
+        """Tables the payload reads that belong to the model, not to this cache (CommVQ's codebooks): counted apart
+        from nbytes(), once per model (KVPressCache.shared_nbytes)."""
+
     def offloaded_nbytes(self) -> int:
         """Bytes kept outside memory (a file tier), not in nbytes()."""
 
@@ -178,6 +182,9 @@ class FullPrecision:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def shared_tensors(self) -> list[torch.Tensor]:
+        return []
 
     def offloaded_nbytes(self) -> int:
         return 0

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .held import tensors_in
 from .payloads import FullPrecision
 from .segments import Segment
 
@@ -56,8 +57,9 @@ class TailRoom:
         """The layer's exact tail is this room's (views of its filled slots): nothing changed it outside the room."""
         return self.issued is layer.tail_exact
 
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.segment.tensors(), self.counters))
+    def tensors(self) -> list[torch.Tensor]:
+        """The room's buffers (reserved slots included), its counters, and the read-side state built over it."""
+        return [*self.segment.tensors(), self.counters, *tensors_in(self.derived)]
 
 
 def prepare(layer, q_len: int, reserve: int, masked: bool) -> None:

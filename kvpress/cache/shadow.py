@@ -209,6 +209,9 @@ class ShadowKeys:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
+    def shared_tensors(self) -> list[torch.Tensor]:
+        return []
+
     def offloaded_nbytes(self) -> int:
         return self.values.numel() * self.values.element_size()
 

@@ -116,6 +116,9 @@ class Sketch:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
+    def shared_tensors(self) -> list[torch.Tensor]:
+        return []
+
     def offloaded_nbytes(self) -> int:
         return 0
 

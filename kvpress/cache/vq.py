@@ -28,6 +28,7 @@ from ..formats.slots import take_slots
 from ..kernels.vq_read import VQSlots, VQTables
 from ..kernels.vq_search import Prepared, encode, prepare
 from ..positions import apply_rotary, unrotate
+from .held import tensors_in
 
 VQ = "vq"
 
@@ -42,6 +43,9 @@ class RopeTable:
 
     def cos_sin(self, positions: torch.Tensor, like: torch.Tensor):
         return self.rotary.cos_sin(positions, like)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return list(self._table or ())
 
     def by_position(self, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) covering positions 0..n-1 at least."""
@@ -65,6 +69,10 @@ class VQBook:
     # what is derived from the tables once: bag weights per (kind, head, device), the stacked ones per device,
     # the encoder's prepared tables per (kind, head)
     _derived: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The model's tables this book holds, and what it derived from them (the cache's codes read them all)."""
+        return [self.keys, self.values, *self.rotary.tensors(), *tensors_in(self._derived)]
 
     def codes_per_slot(self, kind: str) -> int:
         tables = getattr(self, kind)
@@ -254,6 +262,9 @@ class VQCodes:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def shared_tensors(self) -> list[torch.Tensor]:
+        return self.book.tensors()
 
     def offloaded_nbytes(self) -> int:
         return 0

@@ -133,6 +133,9 @@ class LowBitCodes:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
+    def shared_tensors(self) -> list:
+        return []
+
     def offloaded_nbytes(self) -> int:
         return 0
 

@@ -31,6 +31,8 @@ def kvpress_attention(module, query, key, value, attention_mask, **kwargs):
     if binding is None:
         raise RuntimeError(f"{type(module).__name__} runs kvpress attention but is not patched by kvpress")
     patch = binding.patch
+    if not patch.serves_this_thread():  # a kvpress call's own patch, outside its scope: the model's own attention
+        return patch.attention.plain(module, query, key, value, attention_mask, **kwargs)
     cache, hidden_states = patch.live.calls.get(module, (None, None))
     if cache is None and patch.live.entered and isinstance(patch.live.entered[-1], KVPressCache):
         # the model's forward was given a KVPressCache but this module was not (a transformers release that passes

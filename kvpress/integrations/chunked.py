@@ -17,10 +17,11 @@ from ..cache import KVPressCache
 PER_TOKEN_INPUTS = ("input_ids", "inputs_embeds", "position_ids", "token_type_ids")
 
 
-def wrap_forward(forward, chunk: int, question_tokens: int | None, output: str, after_chunk, running):
+def wrap_forward(forward, chunk: int, question_tokens: int | None, output: str, after_chunk, running, serves):
     """An instance-level forward that feeds an empty KVPressCache's prompt `chunk` tokens at a time. `output`: the
     per-token field of the forward's output ("logits" or "last_hidden_state"). `running()`: a context manager that
-    counts the call as running on the patched model (what unpatch waits for)."""
+    counts the call as running on the patched model (what unpatch waits for); `serves()`: whether the patch serves
+    this thread (else the forward runs as given)."""
     keeps_logits = output == "logits"
 
     @functools.wraps(forward)  # keeps the forward's signature: what the cache argument's name is read from (hf.py)
@@ -33,7 +34,8 @@ def wrap_forward(forward, chunk: int, question_tokens: int | None, output: str, 
         tokens = kwargs.get("inputs_embeds") if tokens is None else tokens
         mask = kwargs.get("attention_mask")
         keep = kwargs.get("logits_to_keep", 0) if keeps_logits else 0
-        if (args or not isinstance(cache, KVPressCache) or cache.forward_state.chunked_prompt is not None  # a chunk
+        if (not serves() or args or not isinstance(cache, KVPressCache)
+                or cache.forward_state.chunked_prompt is not None  # a chunk
                 or cache.get_seq_length() != 0 or tokens is None
                 or (tokens.shape[1] <= chunk and cache.question_ids is None)  # one chunk, no question to add
                 or (mask is not None and mask.dim() != 2)

@@ -54,7 +54,11 @@ class ForwardHooks:
                 module.register_forward_hook(exit_, with_kwargs=True, always_call=True)]
 
     def _inner(self, module) -> bool:
+        """Whether this hook does nothing for this forward: one inside the patched forward serving the call, or any
+        forward on a thread the patch does not serve (a ScopedPatch's outside its scope: the model runs unpatched)."""
         patch = self.patch
+        if not patch.serves_this_thread():
+            return True
         if module is patch.model:
             return False
         return torch.compiler.is_compiling() or bool(patch.live.forwards) and patch.live.forwards[-1].module is patch.model
@@ -108,7 +112,7 @@ class ForwardHooks:
         # runs even when the forward raised (always_call); a forward that began before this patch existed (on
         # another thread) entered nothing and leaves nothing
         forwards = self.patch.live.forwards
-        if not forwards or forwards[-1].module is not module or (
+        if not self.patch.serves_this_thread() or not forwards or forwards[-1].module is not module or (
                 module is not self.patch.model and torch.compiler.is_compiling()):
             return
         forward = forwards.pop()
@@ -116,6 +120,8 @@ class ForwardHooks:
             if forward.checked and not forward.done:
                 _after_failure(forward)
         finally:
+            if isinstance(forward.cache, KVPressCache) and not forwards:
+                forward.cache.forward_state.ended()
             self.patch.exit_call()
 
     def after_prompt(self, cache: KVPressCache, kwargs, args=(), output=None) -> None:
@@ -125,6 +131,7 @@ class ForwardHooks:
         if self.patch.needs.model_pass:
             with torch.no_grad():  # what the hook keeps must hold no autograd history
                 self.patch.policy.after_prefill(self.model_pass(cache, kwargs, args, output))
+        cache.trim_stock_layers()
         cache.prefill_nbytes = cache.nbytes()
         cache.prefill_kv_nbytes = sum(row["kv_bytes"] for row in cache.stats())
 

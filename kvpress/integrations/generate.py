@@ -18,6 +18,8 @@ def wrap_generate(patch, generate):
 
     @functools.wraps(generate)
     def kvpress_generate(*args, **kwargs):
+        if not patch.serves_this_thread():  # a kvpress call's own patch, outside its scope: generate as unpatched
+            return generate(*args, **kwargs)
         kwargs = renamed_for(model, kwargs) or kwargs
         check_generate(patch, model, args, kwargs)
         if given_cache(kwargs) is None and kwargs.get("use_cache", True):

@@ -35,6 +35,7 @@ class InFlight(threading.local):
         self.calls = {}
         self.entered = []
         self.forwards = []  # decoder forwards in flight (forwards.ForwardInFlight), innermost last
+        self.scopes = 0  # kvpress calls this thread runs inside a ScopedPatch's scope (scoped.py), nested
 
 
 class Patch:
@@ -117,7 +118,7 @@ class Patch:
                     continue  # a base model: the decoder alone
                 self._set(module, "forward", wrap_forward(module.forward, self.prefill_chunk_size,
                                                           self.question_tokens, output, self.hooks.after_prompt,
-                                                          self.running))
+                                                          self.running, self.serves_this_thread))
         self._set(model, "__deepcopy__", self._copy_model)
 
     def _set(self, module, name: str, value) -> None:
@@ -129,12 +130,19 @@ class Patch:
     def model(self):
         return self._model()
 
+    def serves_this_thread(self) -> bool:
+        """Whether calls on this thread run patched. A caller's own patch serves every thread; a ScopedPatch only
+        the kvpress calls inside its scope (scoped.py): the model runs unpatched for everything else."""
+        return True
+
     @property
     def decoder(self):
         return self._decoder()
 
     # -- hooks: what each forward hands kvpress (per thread, dropped when the module's forward ends)
     def _record_call(self, module, args, kwargs):
+        if not self.serves_this_thread():
+            return
         hidden = (args[0] if args else kwargs.get("hidden_states")) if self.needs.hidden_states else None
         self.live.calls[module] = (given_cache(kwargs), hidden)
 
@@ -236,10 +244,14 @@ class Patch:
             clone.__setstate__(copy.deepcopy(state, memo))
         twin = clones[model]
         twin.set_attn_implementation(self.base)  # its config was copied naming kvpress's implementation
+        self._patch_copy(twin)
+        return twin
+
+    def _patch_copy(self, twin) -> None:
+        """The copy of a patched model is patched again with the same policy and settings."""
         with PATCHING:
             Patch(twin, self.policy, self.base, model_info(twin, attention_modules_of(twin), self.head_dim),
                   self.prefill_chunk_size, self.question_tokens)
-        return twin
 
     def model_info(self) -> ModelInfo:
         """What policies see of the patched model (the ModelInfo a policy's for_model resolves against)."""

@@ -23,6 +23,12 @@ def patch_model(model, policy: str | Policy | None = "none", prefill_chunk_size:
     queries (CItruS-style; their K/V are dropped after the chunk). A question asked later can be given per cache
     instead: `KVPressCache(config, question_ids=ids)`. Returns a Patch: use it as a context manager or call
     `.unpatch()`. All checks run before the model is touched."""
+    return install(Patch, model, policy, prefill_chunk_size, question_tokens, **params)
+
+
+def install(kind: type, model, policy, prefill_chunk_size: int | None = None, question_tokens: int | None = None,
+            **params) -> Patch:
+    """patch_model, installing a Patch of `kind` (a ScopedPatch: a kvpress call's own, scoped.py)."""
     policy = resolve_policy(policy, **params)
     _check_chunk_size(prefill_chunk_size, policy)
     if question_tokens is not None:
@@ -35,7 +41,7 @@ def patch_model(model, policy: str | Policy | None = "none", prefill_chunk_size:
         question_tokens = int(question_tokens)
     with PATCHING:  # the checks and the installation are one step for other threads patching the same model
         info, base = _check_model(model)
-        return Patch(model, policy.for_model(info), base, info, prefill_chunk_size, question_tokens)
+        return kind(model, policy.for_model(info), base, info, prefill_chunk_size, question_tokens)
 
 
 def _check_model(model) -> tuple[ModelInfo, str]:

@@ -6,6 +6,7 @@ from typing import ClassVar
 
 import torch
 
+from ..cache.held import DerivedState
 from ..formats.calibration import Calibration
 from ..formats.lowbit import pack, quantize
 from ..kernels.labels import Labels, label_scores
@@ -105,11 +106,13 @@ def label_cache(layer, key: tuple, channels: torch.Tensor, bits: int) -> Labels:
     return cache.update(layer)
 
 
-class _Labels:
+class _Labels(DerivedState):
     """The label cache of one layer: the labels of its first `complete` slots, packed `bits`-bit codes with an fp16
     scale and min per (slot, query head) (16 bits: fp16 values), in buffers with room for more slots (grown by a
     quarter when full, so a decode step's labels are written in place, not appended by a copy of all the others);
-    the slots after them are encoded on the next read."""
+    the slots after them are encoded on the next read. The channels are the calibration's (the model's)."""
+
+    shared = ("channels",)
 
     def __init__(self, channels: torch.Tensor, bits: int):
         self.channels, self.bits, self.complete, self.buffers = channels, bits, 0, None

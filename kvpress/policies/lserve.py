@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..cache.held import DerivedState
 from ..formats.calibration import Calibration
 from ..heads import HeadShards
 from .context import Context
@@ -125,7 +126,7 @@ class LServe(ReadPolicy):
         return score.argsort(dim=-1, descending=True, stable=True)[..., :n]
 
 
-class _PageSelection:
+class _PageSelection(DerivedState):
     """A layer's last page selection (layer.derived) [B, Hkv, n]; a rollback voids it (the next step selects anew)."""
 
     def __init__(self, pages: torch.Tensor):

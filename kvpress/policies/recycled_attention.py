@@ -3,6 +3,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..cache.held import DerivedState
 from .context import Context
 from .protocol import Needs
 from .sparse import ReadPolicy, slots_of
@@ -92,7 +93,7 @@ def _fingerprint(ctx: Context) -> torch.Tensor:
     return ctx.shards.sum(ctx.query[:, :, -1].float().sum(1))
 
 
-class _Partial:
+class _Partial(DerivedState):
     """A layer's recycled-attention state (layer.derived), per row: the slots of its C_p ranked by its last full step's
     scores (`ranked` [B, Hkv, budget], best first; `ranked_ok` False past a short head's slots), how many slots that
     step saw (`seen` [B]: later slots were generated since), its query fingerprint, and the steps since the last

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..cache.held import DerivedState
 from ..cache.shadow import FileTier, ShadowKeys, chosen_chunks, store
 from ..positions import unrotate
 from .context import Context
@@ -191,7 +192,7 @@ class ShadowKVView(_Chunking, ReadPolicy):
                 torch.cat([ok, plan.plan["exact_ok"], torch.ones_like(newer, dtype=torch.bool)], -1))
 
 
-class _ViewPlan:
+class _ViewPlan(DerivedState):
     """A draft view's chunk plan in layer.derived, made over the first `width` slots; a rollback below them makes
     it stale (a new plan at the next read)."""
 

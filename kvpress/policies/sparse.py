@@ -14,6 +14,7 @@ from typing import ClassVar
 
 import torch
 
+from ..cache.held import DerivedState
 from ..kernels.slots import slots_of  # noqa: F401 (the read views' selection from a mask)
 from .context import Context
 from .protocol import Policy
@@ -28,7 +29,7 @@ def leading_fillers(layer) -> torch.Tensor | None:
     return lead if lead is not None and bool(lead.any()) else None
 
 
-class PageStats:
+class PageStats(DerivedState):
     """Per-page elementwise max / min / mean of the stored keys (real slots only), page_size slots a page, pages
     counted from each row/head's first real slot (`offset`, fixed when the statistics start: the layer drops
     them whenever it compacts). Complete pages are computed once; the partial last pages on every read."""
@@ -89,7 +90,7 @@ def page_stats(layer, page_size: int) -> PageStats:
     return stats.update(layer)
 
 
-class RoomPages:
+class RoomPages(DerivedState):
     """Page statistics over a layer's room, for captured decode steps (cache/room.py): a buffer per statistic for
     every page the room's view can hold, built on the host from the layer's own (PageStats) before the first
     captured step, pages not yet reached empty; each step recomputes, in place, the pages its new tokens land in

@@ -3,6 +3,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..cache.held import DerivedState
 from .context import Context
 from .protocol import Needs
 from .sparse import ReadPolicy, sinks_and_window, slots_of
@@ -119,7 +120,7 @@ class TokenSelect(ReadPolicy):
         return dot >= self.reuse_threshold * norms.sqrt()
 
 
-class _SelectionCache:
+class _SelectionCache(DerivedState):
     """A layer's last selection (layer.derived): the query that made it [B, Hq, D] and its top_k slots [B, k]. A
     rollback that removes a slot it names makes it unusable (the next step selects anew); one that removes only newer
     slots (a speculative round's rejected drafts, inside the local window) leaves it as it is."""

@@ -14,6 +14,7 @@ exactly lossless.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import weakref
@@ -23,7 +24,7 @@ import torch
 
 from ..cache import KVPressCache
 from ..integrations.hf import given_cache, with_cache
-from ..integrations.patching import patch_model
+from ..integrations.scoped import ScopedPatch, patched_for_call
 from ..integrations.registry import patch_of
 from ..policies import (KIVI, Codec, DoubleSparsity, HiP, LServe, Quant4View, Quest, ReadPolicy, RecycledAttention, Retrieval,
                         ShadowKVView, SinkWindow, TidalDecode, TokenSelect, TopK)
@@ -34,12 +35,9 @@ DRAFTS = {"sink_window": SinkWindow, "retrieval": Retrieval, "quest": Quest, "to
           "recycled_attention": RecycledAttention, "hip": HiP,
           "tidal_decode": TidalDecode, "lserve": LServe,
           "double_sparsity": DoubleSparsity, "shadowkv": ShadowKVView, "quant4": Quant4View}
-# An unpatched model is patched for the calls that run on it (the target policy), and unpatched when the last of them
-# returns: calls on several threads at once share that one patch (model -> [patch, calls using it]).
-_SHARED: "weakref.WeakKeyDictionary[torch.nn.Module, list]" = weakref.WeakKeyDictionary()
-_SHARED_LOCK = threading.Lock()
 # model -> the SpeculativeStats of the last call that finished on it (last_stats): reachable after
 # model.generate(custom_generate=...), which returns ids only
+_LAST_LOCK = threading.Lock()
 _LAST: "weakref.WeakKeyDictionary[torch.nn.Module, SpeculativeStats]" = weakref.WeakKeyDictionary()
 
 
@@ -87,7 +85,7 @@ class SpeculativeStats:
 def last_stats(model) -> SpeculativeStats:
     """SpeculativeStats of the last speculative_generate (or custom_generate) call that finished on `model`,
     as kvpress.last_cache_stats(model) reports the last patched generate's cache."""
-    with _SHARED_LOCK:
+    with _LAST_LOCK:
         stats = _LAST.get(model)
     if stats is None:
         raise ValueError("no speculative_generate has finished on this model yet; call kvpress.speculative_generate "
@@ -210,33 +208,14 @@ def speculative_generate(model, input_ids, attention_mask=None, *, draft="sink_w
     pad_token_id = config.pad_token_id if pad_token_id is None else pad_token_id
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
     context = int(mask.sum(-1).min())
-    with _SHARED_LOCK:
-        shared = _SHARED.get(model)
-        existing = patch_of(model)
-        joining = shared is not None and existing is shared[0]  # another thread's call patched the model for itself
-        view, target_policy = _draft_and_target(draft, draft_params, draft_budget, gamma,
-                                                None if joining else existing, context)
-        if joining and resolve_policy(target_policy) != existing.policy:
-            raise ValueError(f"speculative_generate runs on this model in another thread with a target patched as "
-                             f"{existing.policy.describe()}; this call needs {resolve_policy(target_policy).describe()}; "
-                             f"allowed: the same draft settings, or patch the model yourself before the threads start")
-        if joining:
-            shared[1] += 1
-        elif existing is None:
-            shared = _SHARED[model] = [patch_model(model, target_policy), 1]
-        else:
-            shared = None  # the caller's own patch
-    try:
-        view = view.for_model(patch_of(model).model_info())  # e.g. lserve's streaming heads, from the calibration
-        return _loop(model, patch_of(model).policy, input_ids, mask, view, gamma, max_new_tokens, do_sample,
-                     temperature, top_p, eos_token_id, pad_token_id, generator, return_stats, cache)
-    finally:
-        if shared is not None:
-            with _SHARED_LOCK:
-                shared[1] -= 1
-                if shared[1] == 0:  # the last call on the model it patched
-                    del _SHARED[model]
-                    shared[0].unpatch()
+    existing = patch_of(model)
+    caller_patch = None if existing is None or isinstance(existing, ScopedPatch) else existing
+    view, target_policy = _draft_and_target(draft, draft_params, draft_budget, gamma, caller_patch, context)
+    # the caller's own patch, or one of this call's (shared with the calls on other threads that need the same)
+    with contextlib.nullcontext(caller_patch) if caller_patch else patched_for_call(model, target_policy) as patch:
+        view = view.for_model(patch.model_info())  # e.g. lserve's streaming heads, from the calibration
+        return _loop(model, patch.policy, input_ids, mask, view, gamma, max_new_tokens, do_sample, temperature,
+                     top_p, eos_token_id, pad_token_id, generator, return_stats, cache)
 
 
 def _loop(model, policy, input_ids, prompt_mask, view, gamma, max_new_tokens, do_sample, temperature, top_p,
@@ -326,7 +305,7 @@ def _loop(model, policy, input_ids, prompt_mask, view, gamma, max_new_tokens, do
     result = torch.cat([input_ids, new], 1)
     stats.emitted = new.shape[1]
     stats.total_s = clock(device) - start
-    with _SHARED_LOCK:
+    with _LAST_LOCK:
         _LAST[model] = stats
     return (result, stats) if return_stats else result
 
