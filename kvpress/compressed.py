@@ -56,6 +56,7 @@ class Answers:
     decode_steps: int
     batches: int  # generate calls the questions took
     compress_s: float | None = None  # set by kvpress.ask (compress + ask in one call)
+    shared_bytes: int = 0  # the model's tables the context's storage reads (CommVQ's codebooks), not in context_bytes
 
     @property
     def bytes_fraction(self) -> float:
@@ -145,7 +146,8 @@ class CompressedContext:
             question_s, decode_s, steps = question_s + times[0], decode_s + times[1], steps + times[2]
         answers = [tokenizer.decode(t, skip_special_tokens=True).strip() for t in tokens]
         return Answers(list(questions), answers, tokens, self.context_tokens, self.nbytes(), self.full_cache_nbytes(),
-                       self.kept_fraction(), question_s, decode_s, steps, batches)
+                       self.kept_fraction(), question_s, decode_s, steps, batches,
+                       shared_bytes=self.cache.shared_nbytes())
 
     @torch.no_grad()
     def _generate(self, questions: list[list[int]], max_new_tokens: int, stop: set, pad: int, tokenizer):

@@ -11,6 +11,7 @@ from kvpress import KVPressCache
 
 from conftest import reachable_storage_bytes, tiny_model
 from test_calibrated import llama_file  # noqa: F401  (a calibration file for the tiny Llama)
+from test_compressed import CONTEXT, TOK
 from test_fuzz import _batch
 from test_padding import COMPOSED, PARAMS, _params
 
@@ -51,3 +52,10 @@ def test_codebooks_are_shared_tables_not_the_caches_bytes(llama_file):  # noqa: 
     a, b = generated("commvq", params), generated("commvq", params)
     assert a.shared_nbytes() > 10 * a.nbytes() and a.shared_nbytes() == b.shared_nbytes()
     assert generated("kivi", _params("kivi", llama_file)).shared_nbytes() == 0
+    model = tiny_model("llama")
+    with kvpress.patch_model(model, "commvq", **params), torch.no_grad():
+        model.generate(*_batch()[:1], max_new_tokens=2, do_sample=False)
+    stats = kvpress.last_cache_stats(model)
+    assert stats["shared_bytes"] > 10 * stats["bytes"]
+    answers = kvpress.ask(model, TOK, CONTEXT, ["Who?"], "commvq", max_new_tokens=2, **params)
+    assert answers.shared_bytes > 10 * answers.context_bytes > 0

@@ -108,6 +108,7 @@ def cache_summary(cache: KVPressCache, policy: Policy | None = None) -> dict:
         seen=max((row["seen"] for row in layers), default=0),
         kv_bytes=sum(row["kv_bytes"] for row in layers),
         bytes=cache.nbytes(),
+        shared_bytes=cache.shared_nbytes(),  # the model's tables the cache reads (CommVQ's codebooks), not its own
         prefill_kv_bytes=cache.prefill_kv_nbytes,
         prefill_bytes=cache.prefill_nbytes,
         layers=layers,
