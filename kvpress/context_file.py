@@ -45,11 +45,15 @@ _TOKENIZER_PROBE = "kvpress tokenizer probe: The quick brown fox, 0123456789.\n\
 # ---------------------------------------------------------------------------- what a file records
 def policy_spec(policy) -> list[dict]:
     """A resolved policy as [{"name", "params"}] per part: every hyper-parameter a JSON file can hold. Refused when
-    a part holds another object (other than a tokenizer, which is given again when the context is asked)."""
+    a part holds another object (other than a tokenizer, which is given again when the context is asked). Fields
+    that take no part in a policy's equality (compare=False: what for_model resolves, CommVQ's codebooks) are
+    resources, resolved again for the model that loads the file, not recorded."""
     spec = []
     for part in policy.parts():
         params = {}
         for f in dataclasses.fields(part):
+            if not f.compare:
+                continue
             value = getattr(part, f.name)
             if isinstance(value, (bool, int, float, str, type(None))):
                 params[f.name] = value
