@@ -120,6 +120,16 @@ def test_slack_cuts_each_row_on_its_own_schedule():
     _assert_rows_as_alone("h2o", dict(budget=80, slack=3))
 
 
+@pytest.mark.parametrize("name,params", [("retrieval", dict(budget=16)), ("retrieval", dict(budget=8, recent=40)),
+                                         ("quest", dict(budget=8, page_size=16))])
+@pytest.mark.parametrize("n_short", [87, 60])
+def test_a_view_whose_forced_pages_outnumber_its_budget_reads_them_all_as_alone(name, params, n_short):
+    """Retrieval at a budget of 2 chunks with 64 recent slots must read 9-10 chunks: topk picked 2 of the forced
+    ones, breaking the tie by slot order, so a padded row read other chunks than alone (SmolLM2: |dlogit| 31 at
+    budget 64). Each head now reads every forced page, and its budget's best pages when those are more."""
+    _assert_rows_as_alone(name, params, n_short=n_short)
+
+
 CHUNKABLE = sorted(set(PARAMS) - {"laq", "kivi", "gear", "zipcache", "commvq", "quest", "retrieval", "sink_window", "topk", "token_select", "recycled_attention", "hip", "tidal_decode", "lserve", "double_sparsity", "shadowkv", "subgen"})
 
 

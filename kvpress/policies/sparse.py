@@ -168,6 +168,19 @@ def _from_page(score: torch.Tensor, first) -> torch.Tensor:
     return score.masked_fill(pages >= first[..., None], float("inf"))
 
 
+def _top_pages(score: torch.Tensor, n: int, most_forced: int, stats: "PageStats", width: int):
+    """(slots, valid) of the `n` best pages of `score` [B, Hkv, n_pages] per head, and of every page that must be read
+    (+inf; at most `most_forced`) when those are more: each head reads max(n, its forced pages), so no choice is
+    left to how topk breaks ties among forced pages (a padded row then reads what it reads alone). The sizes
+    depend on n and most_forced only (a captured step reads no count from the device)."""
+    per_head = torch.isposinf(score).sum(-1).clamp(min=n)  # [B, Hkv]
+    top = score.topk(min(score.shape[-1], max(n, most_forced)), dim=-1)
+    pages, order = top.indices.sort(-1)
+    taken = torch.arange(pages.shape[-1], device=pages.device) < per_head[..., None]  # in the topk's own order
+    slots, valid = stats.slots(pages, width)
+    return slots, valid & taken.gather(-1, order).repeat_interleave(stats.page_size, -1)
+
+
 def _query_rows(ctx: Context) -> torch.Tensor:
     """[B, Hkv, g*r, D]: this step's query rows grouped under their KV head."""
     b, hq, r, d = ctx.query.shape
@@ -213,9 +226,8 @@ class Quest(ReadPolicy):
         score = bound.nan_to_num(neginf=-1e30).sum(-1).amax(2)  # [B, Hkv, n_pages]
         score = _from_page(score, stats.first_page(ctx.layer.first_new_slot(ctx.q_len)))  # the current page(s)
         score = score.masked_fill(~stats.filled, float("-inf"))
-        n = min(score.shape[-1], max(1, self.budget // self.page_size))
-        pages = score.topk(n, dim=-1).indices.sort(-1).values
-        return stats.slots(pages, ctx.layer.view_width)
+        return _top_pages(score, max(1, self.budget // self.page_size), ctx.q_len // self.page_size + 2, stats,
+                          ctx.layer.view_width)
 
 
 @register
@@ -244,9 +256,8 @@ class Retrieval(ReadPolicy):
         score[..., 0] = float("inf")
         score = _from_page(score, stats.first_page(max(0, ctx.layer.view_width - max(self.recent, ctx.q_len))))
         score = score.masked_fill(~stats.filled, float("-inf"))
-        n = min(score.shape[-1], max(1, self.budget // c))
-        chunks = score.topk(n, dim=-1).indices.sort(-1).values
-        return stats.slots(chunks, ctx.layer.view_width)
+        return _top_pages(score, max(1, self.budget // c), max(self.recent, ctx.q_len) // c + 3, stats,
+                          ctx.layer.view_width)
 
 
 @register
