@@ -15,12 +15,13 @@ import kvpress
 from kvpress import KVPressCache
 from kvpress.calibration import calibrate
 from tests.conftest import counter_bytes, tiny_model
-from tests.test_calibrated import TOK
+from tests.test_calibrated import TOK, llama_file  # noqa: F401  (a calibration file with codebooks)
 
 CODEC = dict(bits=4, group_size=16, residual_length=16)
 CUTS = dict(compression_ratio=0.5, slack=4)  # decode-time evictors cut every 5 steps
 CASES = [("none", "none", {}), ("snapkv", "snapkv", dict(compression_ratio=0.5, window_size=8)),
-         ("keydiff", "keydiff", dict(compression_ratio=0.5)), ("kvzap", "kvzap", dict(compression_ratio=0.5)),
+         ("keydiff", "keydiff", dict(compression_ratio=0.5)),
+         ("kvzap", "kvzap", dict(compression_ratio=0.5, budget_allocation="uniform")),
          ("kivi", "kivi", CODEC), ("gear", "gear", CODEC),
          ("zipcache", "zipcache", dict(group_size=16, residual_length=16)),
          ("snapkv+kivi", "snapkv+kivi", dict(compression_ratio=0.5, **CODEC)),
@@ -164,10 +165,66 @@ def test_the_model_hooks_run_outside_the_graph():
     dynamo.reset()
 
 
-@pytest.mark.parametrize("reserve", [0, -1, 1.5, True, "8"])
+@pytest.mark.parametrize("reserve", [0, -1, 1.5, True, "8", 2 ** 40, 1025])
 def test_capture_reserve_is_checked(reserve):
+    """Bounded by the model's context (1024 positions for the tiny Llama): 2**40 was accepted and failed in the
+    allocator at the first step."""
     with pytest.raises(ValueError, match="capture_reserve"):
         KVPressCache(tiny_model("llama").config, capture_reserve=reserve)
+    assert KVPressCache(tiny_model("llama").config, capture_reserve=1024).capture_reserve == 1024
+
+
+# what captures, among the registered policies and compositions below (README, "torch.compile and CUDA graphs"): the
+# rest is refused with its reason
+CAPTURABLE = {"none", "snapkv", "keydiff", "knorm", "random", "expected_attention", "laq", "kvzap uniform", "kivi",
+              "gear", "zipcache", "quest", "h2o slack", "tova slack", "streaming_llm slack", "snapkv decode_budget slack",
+              "duo_attention all heads", "snapkv+kivi", "snapkv+zipcache", "kvzap uniform+kivi"}
+
+
+def _registry_cases() -> dict:
+    """case -> (policy, parameters): every registered policy and composition as test_padding.py runs them, and the
+    options that decide whether a decode step captures."""
+    from tests.test_padding import COMPOSED, PARAMS
+    cases = {name: (name, params) for name, params in {**PARAMS, **COMPOSED}.items()}
+    cases.update({"kvzap uniform": ("kvzap", dict(PARAMS["kvzap"], budget_allocation="uniform")),
+                  "kvzap uniform+kivi": ("kvzap+kivi", dict(compression_ratio=0.5, budget_allocation="uniform",
+                                                            calibration=None, **CODEC)),
+                  "snapkv decode_budget slack": ("snapkv", dict(PARAMS["snapkv"], decode_budget=8, slack=4)),
+                  "duo_attention all heads": ("duo_attention", dict(PARAMS["duo_attention"], streaming_heads=1.0))})
+    cases.update({f"{name} slack": (name, dict(PARAMS[name], slack=3)) for name in ("h2o", "tova", "streaming_llm")})
+    return cases
+
+
+REGISTRY = _registry_cases()
+
+
+@pytest.mark.parametrize("case", sorted(REGISTRY))
+def test_every_registered_policy_captures_or_is_refused_before_anything_changes(case, llama_file):  # noqa: F811
+    """Every registered policy and composition (and the options that change the answer): six captured steps
+    (fullgraph, dynamic=False) equal the eager ones, or the reserved cache's first forward is refused with the
+    policy's reason (cache/room.py cannot keep its step's shapes), leaving the cache empty."""
+    policy, params = REGISTRY[case]
+    params = {k: (str(llama_file) if k == "calibration" else v) for k, v in params.items()}
+    model = tiny_model("llama")
+    ids = torch.randint(3, 128, (1, 90), generator=torch.Generator().manual_seed(0))
+    dynamo.reset()
+    with kvpress.patch_model(model, policy, **params) as patch, torch.no_grad():
+        eager, captured = KVPressCache(model.config), KVPressCache(model.config, capture_reserve=16)
+        if patch.policy.capture_refusal:
+            with pytest.raises(ValueError, match=r"capture_reserve=16\): .*which a decode step of fixed shapes"):
+                model(ids, cache=captured)
+            assert captured.get_seq_length() == 0 and case not in CAPTURABLE
+            return
+        assert case in CAPTURABLE
+        token = model(ids, cache=eager).logits[:, -1:].argmax(-1)
+        model(ids, cache=captured)
+        step = torch.compile(model, fullgraph=True, dynamic=False, backend=Graphs())
+        for i in range(6):
+            position = torch.tensor([[90 + i]])
+            want = model(token, cache=eager, position_ids=position).logits
+            torch.testing.assert_close(step(token, cache=captured, position_ids=position).logits, want)
+            token = want[:, -1:].argmax(-1)
+    dynamo.reset()
 
 
 def test_a_model_with_stock_sliding_layers_refuses_a_reserve():

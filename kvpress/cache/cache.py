@@ -50,6 +50,11 @@ class KVPressCache(Cache):
         if question_ids is not None and (not isinstance(question_ids, torch.Tensor) or question_ids.dim() != 2
                                          or question_ids.shape[1] < 1 or question_ids.is_floating_point()):
             raise ValueError(f"question_ids={question_ids!r}; allowed values: None or token ids [batch or 1, n >= 1]")
+        longest = getattr(config.get_text_config(decoder=True), "max_position_embeddings", None) if config else None
+        if capture_reserve is not None and capture_reserve > (longest or 1 << 20):
+            raise ValueError(f"capture_reserve={capture_reserve}: more slots than the model reads "
+                             f"({'max_position_embeddings=' + str(longest) if longest else 'at most 2**20 without a config'}"
+                             f"), each reserved in every layer; allowed values: None, or 1 to {longest or 1 << 20}")
         layer_types = _layer_types(config) if config is not None else None
         if capture_reserve is not None and layer_types is not None and "sliding_attention" in layer_types:
             raise ValueError(f"capture_reserve={capture_reserve}: this model's sliding-window layers are transformers' "

@@ -8,7 +8,6 @@ from __future__ import annotations
 import torch
 
 from ..cache import KVPressCache
-from ..policies import Codec, ReadView
 from .hf import given_cache
 from .registry import patch_of
 
@@ -54,26 +53,14 @@ def check_forward(patch, decoder, args, kwargs) -> None:
                          f"(KVzip replays them), which embeddings do not give back; allowed: input_ids")
     if cache.broken is not None:
         raise ValueError(f"cache: {cache.broken}; allowed values: a new kvpress.KVPressCache(model.config)")
-    if cache.capture_reserve is not None and (busy := [p for p in patch.policy.parts() if not captures(p)]):
-        what = busy[0].decode_change if busy[0].observe_captures else "observes each step with shapes that change"
-        raise ValueError(f"KVPressCache(capture_reserve={cache.capture_reserve}): {busy[0].describe()} "
-                         f"{what}, which a decode step of fixed shapes cannot do yet; allowed: "
-                         f"capture_reserve=None, or policies whose decode steps only append, store low-bit codes or "
-                         f"evict with slack >= 1 (none, snapkv / kvzap / keydiff at prefill, kivi, gear, h2o / tova / "
-                         f"streaming_llm with slack, their compositions, quest)")
-
-
-def captures(policy) -> bool:
-    """A decode step of this policy has fixed shapes given a room (cache/room.py): it only appends (no decode change),
-    or restructures the layer on the host after the step, at most every few steps (a codec's flush; an evictor's
-    cut with slack >= 1), or is a read view whose selection keeps its shapes (ReadView.captures: quest)."""
-    if not policy.observe_captures:
-        return False
-    if policy.decode_change is None or isinstance(policy, Codec):
-        return True
-    if isinstance(policy, ReadView):
-        return policy.captures
-    return getattr(policy, "slack", 0) >= 1
+    refusal = patch.policy.capture_refusal if cache.capture_reserve is not None else None
+    if refusal:
+        raise ValueError(f"KVPressCache(capture_reserve={cache.capture_reserve}): {patch.policy.describe()} {refusal}, "
+                         f"which a decode step of fixed shapes cannot do yet; allowed: capture_reserve=None, or "
+                         f"policies whose decode steps only append, store low-bit codes or evict with slack >= 1: "
+                         f"none, snapkv / keydiff / kvzap (budget_allocation='uniform' or 'pyramid') at prefill, kivi, "
+                         f"gear, zipcache, h2o / tova / streaming_llm with slack, compositions of a prefill evictor "
+                         f"with a codec, quest")
 
 
 def _describe(kinds: tuple, window: int | None) -> str:

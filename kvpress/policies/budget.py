@@ -100,6 +100,15 @@ class AllocatedBudgetPolicy(BudgetPolicy):
         return super().decode_change
 
     @property
+    def capture_refusal(self) -> str | None:
+        if self.budget_allocation in ("adaptive", "global"):
+            return (f"keeps different numbers of tokens per KV head (budget_allocation={self.budget_allocation!r}: "
+                    f"flat runs), whose reads take their sizes from the data")
+        if self.decode_budget is not None and self.slack < 1:
+            return f"{self.decode_change}, at every step (slack=0)"
+        return super().capture_refusal  # (the roles': an evictor while decoding says whether it cuts with slack)
+
+    @property
     def kept_window(self) -> int:
         """Newest slots the policy always keeps (SnapKV's observation window): pyramid budgets ramp the rest."""
         return 0

@@ -81,6 +81,10 @@ class CommVQ(Codec):
                                   calibration.codebooks["values"][i][:, :, :stages["value"]].contiguous(), rope)
         return dataclasses.replace(self, key_stages=stages["key"], value_stages=stages["value"], books=books)
 
+    @property
+    def capture_refusal(self) -> str | None:
+        return "reads RoPE tables sized by the tokens the layer has seen, a count that changes at every step"
+
     def appends_before_change(self, layer) -> int:
         return appends_before_flush(layer, self.residual_length, self.block_size)
 

@@ -41,6 +41,14 @@ class Composed(Policy):
     def decode_change(self) -> str | None:
         return self.evictor.decode_change or self.codec.decode_change
 
+    @property
+    def capture_refusal(self) -> str | None:
+        if self.evictor.needs().probabilities and self.evictor.decode_change:
+            # over a layer that holds codes the attention pass gives no probabilities: they are recomputed
+            return (f"{self.evictor.name} scores by attention probabilities, which over {self.codec.name}'s codes are "
+                    f"recomputed with sizes that change")
+        return self.evictor.capture_refusal or self.codec.capture_refusal
+
     def prior_state(self, ctx: Context):
         return self.evictor.prior_state(ctx)
 

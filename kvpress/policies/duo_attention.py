@@ -47,6 +47,13 @@ class DuoAttention(DecodeEviction):
         if self.window < 1:
             raise ValueError(f"duo_attention: window={self.window!r}; allowed values: an int >= 1")
 
+    @property
+    def capture_refusal(self) -> str | None:
+        if 0 < self.streaming_heads < 1:
+            return ("keeps fewer tokens in its streaming heads than in the others (flat runs), whose reads take their "
+                    "sizes from the data")
+        return super().capture_refusal
+
     def for_model(self, model: ModelInfo) -> "DuoAttention":
         if self.heads is not None:
             return self

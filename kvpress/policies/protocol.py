@@ -143,6 +143,13 @@ class Policy(HyperParameters):
         role that changes decode steps says how (roles.py)."""
         return None
 
+    @property
+    def capture_refusal(self) -> str | None:
+        """Why a decode step of this policy cannot run captured (fixed shapes, cache/room.py), in words; None when it
+        can: its step only appends, or what changes the layer runs on the host after the step. Each role that
+        changes decode steps (roles.py) says whether it can."""
+        return None if self.observe_captures else "observes each step with shapes that change"
+
     def appends_before_change(self, layer) -> int | None:
         """Tokens `layer` can still append before a decode step of this policy changes it (None: never)."""
         return None

@@ -44,6 +44,7 @@ class Codec(Policy):
         return "moves old tokens into low-bit codes while decoding"
 
 
+
 @dataclass
 class ReadView(Policy):
     """A read policy: nothing is evicted; at each decode step attention reads the slots select(ctx) picks."""
@@ -59,6 +60,12 @@ class ReadView(Policy):
     def decode_change(self) -> str:
         return "reads a selection of the cache at every decode step"
 
+    @property
+    def capture_refusal(self) -> str | None:
+        if not self.captures:
+            return f"{self.decode_change}, with sizes a captured step cannot keep"
+        return super().capture_refusal
+
 
 @dataclass
 class DecodeEviction(Policy):
@@ -67,6 +74,13 @@ class DecodeEviction(Policy):
     @property
     def decode_change(self) -> str | None:
         return "evicts tokens while decoding"
+
+    @property
+    def capture_refusal(self) -> str | None:
+        # a cut every slack + 1 steps runs on the host after a step and leaves the room's shapes; one per step cannot
+        if getattr(self, "slack", 0) < 1:
+            return f"{self.decode_change}, at every step (slack=0)"
+        return super().capture_refusal
 
 
 @dataclass
@@ -78,6 +92,10 @@ class StorageTier(Policy):
     def decode_change(self) -> str:
         return "reads its stored prompt through a reader of its own at every decode step"
 
+    @property
+    def capture_refusal(self) -> str | None:
+        return self.decode_change
+
 
 @dataclass
 class Merger(Policy):
@@ -87,7 +105,15 @@ class Merger(Policy):
     def decode_change(self) -> str:
         return "merges old tokens into fewer synthetic ones when the cache fills while decoding"
 
+    @property
+    def capture_refusal(self) -> str | None:
+        return self.decode_change
+
 
 @dataclass
 class Summarizer(Policy):
     """Evicts, and keeps a summary of what it evicted that every later read adds (Policy.prior_state)."""
+
+    @property
+    def capture_refusal(self) -> str | None:
+        return "adds its summary of evicted tokens to every read, which runs segment by segment with changing sizes"
