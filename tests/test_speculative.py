@@ -380,3 +380,39 @@ def test_smollm2_greedy_speculation_is_lossless_for_every_draft(smollm2):
         for gamma in (1, 3, 5):
             out = speculative_generate(model, ids, draft="quant4", gamma=gamma, max_new_tokens=16)
             assert out.tolist() == ref.tolist(), ("quant4", gamma)
+
+
+PROCESSED = {"repetition_penalty": dict(repetition_penalty=1.8), "no_repeat_ngram_size": dict(no_repeat_ngram_size=2),
+             "bad_words_ids": "bad", "suppress_tokens": "suppress", "min_new_tokens": "eos",
+             "top_k=1 sampling": dict(do_sample=True, top_k=1)}
+
+
+@pytest.mark.parametrize("setting", list(PROCESSED))
+def test_custom_generate_applies_generate_s_logits_processors(setting):
+    """custom_generate ignored the processors generate prepared: with repetition_penalty, no_repeat_ngram_size,
+    bad_words_ids, suppress_tokens, min_new_tokens or do_sample with top_k=1 it gave other tokens than plain generate
+    with the same settings. They now apply at every drafted and verified position: the same tokens."""
+    model = tiny_model("llama")
+    ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(3))
+    plain = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False)[0, 40:]
+    kwargs = PROCESSED[setting]
+    if kwargs == "bad":
+        kwargs = dict(bad_words_ids=[[int(t)] for t in plain[:3]])  # the tokens plain greedy picks first
+    elif kwargs == "suppress":
+        kwargs = dict(suppress_tokens=[int(t) for t in plain[:3]])
+    elif kwargs == "eos":  # plain greedy's 3rd token as EOS: min_new_tokens holds it back until 12 tokens
+        kwargs = dict(eos_token_id=int(plain[2]), min_new_tokens=12)
+    kwargs = dict(dict(do_sample=False, max_new_tokens=24), **kwargs)
+    expected = model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+    assert not torch.equal(expected[0, 40:40 + len(plain)], plain) or setting == "top_k=1 sampling"
+    got = model.generate(ids, attention_mask=torch.ones_like(ids), custom_generate=custom_generate,
+                         draft="sink_window", gamma=3, draft_budget=16, **kwargs)
+    assert torch.equal(got, expected)
+
+
+def test_custom_generate_refuses_stopping_criteria_it_does_not_apply():
+    model = tiny_model("llama")
+    ids = torch.randint(3, 128, (1, 20), generator=torch.Generator().manual_seed(3))
+    with pytest.raises(ValueError, match=r"stopping criteria \['MaxTimeCriteria'\]"):
+        model.generate(ids, attention_mask=torch.ones_like(ids), custom_generate=custom_generate, max_time=30.0,
+                       max_new_tokens=4)

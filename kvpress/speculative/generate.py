@@ -181,7 +181,7 @@ def speculative_generate(model, input_ids, attention_mask=None, *, draft="sink_w
                          max_new_tokens: int = 64, do_sample: bool = False, temperature: float = 1.0,
                          top_p: float = 1.0, draft_budget: int | None = None, eos_token_id=None,
                          pad_token_id=None, generator=None, return_stats: bool = False, cache=None,
-                         **draft_params):
+                         logits_processor=None, **draft_params):
     """Generate with the model drafting for itself from a cheap view of its own KVPressCache.
 
     draft: "sink_window" (sinks + window, MagicDec's StreamingLLM-style view), "retrieval" (TriForce chunks),
@@ -194,6 +194,11 @@ def speculative_generate(model, input_ids, attention_mask=None, *, draft="sink_w
     generates through EOS). cache: None, or a KVPressCache already holding a prefix of input_ids
     (prefilled under the same patch), e.g. `prefilled.fork()` to decode many times from one prefill; only the rest
     of the prompt is run, and the cache is extended in place, as generate extends the cache it is given.
+    logits_processor: None, or a callable (ids [B, n], logits [B, V]) -> logits, e.g. transformers'
+    LogitsProcessorList (repetition penalty, n-gram bans, bad words, suppressed tokens, min_new_tokens): applied to
+    the target's and the draft's logits at every position, given the ids before it, before temperature and top-p, so
+    greedy picks and the sampling rule (lossless with respect to the processed distribution) follow it. It must be a
+    function of its arguments: it also sees the positions of drafts that are rejected.
     Returns the ids [B, prompt + new] like `generate`: it stops once every row has produced EOS, rows that finished
     earlier padded. return_stats=True returns (ids, SpeculativeStats): acceptance and the time split (prefill_s,
     draft_s, verify_s, total_s, decode_tokens_per_s); kvpress.speculative.last_stats(model) returns the same
@@ -202,6 +207,9 @@ def speculative_generate(model, input_ids, attention_mask=None, *, draft="sink_w
         out, stats = kvpress.speculative_generate(model, ids, draft="quest", gamma=4, return_stats=True)
         print(stats.acceptance_rate, stats.tokens_per_round, stats.decode_tokens_per_s)"""
     _check(draft, gamma, max_new_tokens, do_sample, temperature, top_p, draft_budget)
+    if logits_processor is not None and not callable(logits_processor):
+        raise ValueError(f"logits_processor={logits_processor!r:.60}; allowed values: None, or a callable (ids, logits) "
+                         f"-> logits such as transformers' LogitsProcessorList")
     _check_past(cache, input_ids)
     config = model.generation_config
     eos_token_id = config.eos_token_id if eos_token_id is None else eos_token_id
@@ -215,11 +223,11 @@ def speculative_generate(model, input_ids, attention_mask=None, *, draft="sink_w
     with contextlib.nullcontext(caller_patch) if caller_patch else patched_for_call(model, target_policy) as patch:
         view = view.for_model(patch.model_info())  # e.g. lserve's streaming heads, from the calibration
         return _loop(model, patch.policy, input_ids, mask, view, gamma, max_new_tokens, do_sample, temperature,
-                     top_p, eos_token_id, pad_token_id, generator, return_stats, cache)
+                     top_p, eos_token_id, pad_token_id, generator, return_stats, cache, logits_processor)
 
 
 def _loop(model, policy, input_ids, prompt_mask, view, gamma, max_new_tokens, do_sample, temperature, top_p,
-          eos_token_id, pad_token_id, generator, return_stats, given):
+          eos_token_id, pad_token_id, generator, return_stats, given, processor):
     device = input_ids.device
     start = clock(device)
     batch, prompt_len = input_ids.shape
@@ -239,11 +247,15 @@ def _loop(model, policy, input_ids, prompt_mask, view, gamma, max_new_tokens, do
         positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)[:, -q:]
         return model(tokens, **with_cache(model, cache, attention_mask=mask, position_ids=positions)).logits
 
-    def pick(logits):
-        return pick_token(logits, do_sample, temperature, top_p, generator)
+    def processed(logits, before):
+        """logits [B, V] of the token after the ids `before` [B, n], as the caller's processor leaves them."""
+        return logits if processor is None else processor(before, logits.float().clone())
+
+    def pick(logits, before):
+        return pick_token(processed(logits, before), do_sample, temperature, top_p, generator)
 
     stats = SpeculativeStats()
-    token, _ = pick(forward(input_ids[:, cache.get_seq_length():])[:, -1])
+    token, _ = pick(forward(input_ids[:, cache.get_seq_length():])[:, -1], input_ids)
     stats.prefill_s = clock(device) - start
     out = [token[:, None]]
     finished = torch.isin(token, eos)
@@ -258,13 +270,15 @@ def _loop(model, policy, input_ids, prompt_mask, view, gamma, max_new_tokens, do
         if room is not None:
             g = max(0, min(g, room - 1))
         last = out[-1][:, -1:]
+        so_far = torch.cat([input_ids, *out], 1) if processor is not None else None  # what the processor reads
         drafts, q_probs = [], []
         t_draft = clock(device)
         cache.read_policy = view
         try:
             current = last
             for _ in range(g):
-                d, q = pick(forward(current)[:, -1])
+                before = None if so_far is None else torch.cat([so_far, *(t[:, None] for t in drafts)], 1)
+                d, q = pick(forward(current)[:, -1], before)
                 drafts.append(d)
                 q_probs.append(q)
                 current = d[:, None]
@@ -276,6 +290,8 @@ def _loop(model, policy, input_ids, prompt_mask, view, gamma, max_new_tokens, do
         stats.draft_s += t_verify - t_draft
         d = torch.stack(drafts, 1) if g else last.new_zeros(batch, 0)
         logits = forward(torch.cat([last, d], 1))  # [B, g+1, V], full view
+        if processor is not None:  # position j follows the ids so far and the first j drafts
+            logits = torch.stack([processed(logits[:, j], torch.cat([so_far, d[:, :j]], 1)) for j in range(g + 1)], 1)
         if do_sample:
             n, nxt = accept(sampling_distribution(logits, temperature, top_p), torch.stack(q_probs, 1) if g else
                             logits.new_zeros(batch, 0, logits.shape[-1]), d, generator)
@@ -313,11 +329,18 @@ def _loop(model, policy, input_ids, prompt_mask, view, gamma, max_new_tokens, do
 def custom_generate(model, input_ids, logits_processor=None, stopping_criteria=None, generation_config=None,
                     draft="sink_window", gamma=4, draft_budget=None, **model_kwargs):
     """`model.generate(..., custom_generate=kvpress.speculative.custom_generate, draft=..., gamma=...)`.
-    Uses the generation config's max length, sampling, temperature, top-p, EOS and pad tokens; a KVPressCache given
+    Uses the generation config's max length, EOS and pad tokens, and the logits processors generate prepared from it
+    (repetition penalty, n-gram bans, bad words, min_new_tokens, and when sampling temperature, top-k and top-p),
+    applied at every position of the draft and of the verification; stopping criteria other than the max length and
+    EOS are refused (a round could not stop inside itself). A KVPressCache given
     to generate (cache= or past_key_values=, by the caller or by a kvpress patch's generate) is speculative_generate's
     cache=.
     Returns ids only: kvpress.speculative.last_stats(model) has the call's SpeculativeStats."""
     config = generation_config
+    stops = sorted({type(c).__name__ for c in (stopping_criteria or [])} - {"MaxLengthCriteria", "EosTokenCriteria"})
+    if stops:
+        raise ValueError(f"stopping criteria {stops} (stop_strings, max_time, ...): self-speculation stops at the max "
+                         f"length and at EOS only; allowed: generate without them, or plain generate")
     past = given_cache(model_kwargs)
     if past is not None and not isinstance(past, KVPressCache):
         if past.get_seq_length():
@@ -328,6 +351,7 @@ def custom_generate(model, input_ids, logits_processor=None, stopping_criteria=N
     return speculative_generate(
         model, input_ids, model_kwargs.get("attention_mask"), draft=draft, gamma=gamma,
         max_new_tokens=config.max_length - input_ids.shape[1], do_sample=bool(config.do_sample),
-        temperature=config.temperature or 1.0, top_p=config.top_p or 1.0, draft_budget=draft_budget,
-        eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id, cache=past,
+        draft_budget=draft_budget, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id, cache=past,
+        # (the processors generate prepared hold its temperature, top-k and top-p warpers when it samples)
+        logits_processor=logits_processor if logits_processor else None,
     )
