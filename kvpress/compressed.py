@@ -127,6 +127,7 @@ class CompressedContext:
             raise ValueError(f"max_new_tokens={max_new_tokens!r}; allowed values: an int >= 1")
         if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
             raise ValueError(f"batch_size={batch_size!r}; allowed values: None (all questions at once) or an int >= 1")
+        check_tokenizer(tokenizer)
         if tokenizer_fingerprint(tokenizer) != self.tokenizer_id:
             raise ValueError("tokenizer: not the tokenizer this context was compressed with (its ids or chat template "
                              "differ); allowed: the same tokenizer")
@@ -177,13 +178,21 @@ class CompressedContext:
                                   self.tokenizer_id, self.compress_s)
 
 
+def check_tokenizer(tokenizer) -> None:
+    if not (callable(getattr(tokenizer, "encode", None)) and callable(getattr(tokenizer, "decode", None))) or \
+            isinstance(tokenizer, (str, bytes)):
+        raise ValueError(f"tokenizer={tokenizer!r:.60}; allowed values: the model's tokenizer (an object with encode "
+                         f"and decode, e.g. transformers.AutoTokenizer.from_pretrained(path))")
+
+
 def compress(model, tokenizer, context: str, policy="kvzap", *, chat_template: bool | None = None,
              prefill_chunk_size: int | None = None, **params) -> CompressedContext:
     """Compress `context` once with `policy` (a name, composition or Policy; `params` its hyper-parameters, e.g.
     compression_ratio=0.75, bits=4). Questions asked later never reach the compressor: pick a query-agnostic policy
     (kvzap, kvzip, keydiff, expected_attention, or one of them + kivi)."""
+    check_tokenizer(tokenizer)
+    context_ids, fmt = split_prompt(tokenizer, context, chat_template)  # (the context is checked before the policy)
     spec = policy_spec(resolve_policy(policy, **params))
-    context_ids, fmt = split_prompt(tokenizer, context, chat_template)
     cache = KVPressCache(model.config)
     with patched_for_call(model, policy_from_spec(spec, tokenizer), prefill_chunk_size=prefill_chunk_size):
         start = time.perf_counter()

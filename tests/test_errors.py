@@ -110,3 +110,94 @@ def test_missing_model_says_to_run_make_models(tmp_path, monkeypatch):
         load("smollm2")
     with pytest.raises(ValueError, match=r"model='gpt5' is unknown; allowed values: \['gemma3', 'smollm2'\]"):
         load("gpt5")
+
+
+# ---------------------------------------------------------------------------- values that passed checks, then failed
+@pytest.mark.parametrize("policy,params,field", [
+    ("h2o", dict(compression_ratio=0.5, slack=10 ** 12), "slack"),  # an allocation of 128 GB at the first cut
+    ("quest", dict(budget=16, page_size=10 ** 12), "page_size"),
+    ("lserve", dict(budget=32, page_size=10 ** 9), "page_size"),
+    ("retrieval", dict(budget=16, chunk_size=10 ** 9), "chunk_size"),
+    ("shadowkv", dict(budget=16, chunk_size=10 ** 9), "chunk_size"),
+    ("expected_attention", dict(compression_ratio=0.5, n_future_positions=10 ** 9), "n_future_positions"),
+    ("laq", dict(compression_ratio=0.5, lookahead=10 ** 9), "lookahead"),  # ran for ever
+])
+def test_token_counts_beyond_the_models_context_are_refused(policy, params, field):
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match=rf"{policy}: {field}=\d+ is more tokens than the model reads "
+                                         rf"\(max_position_embeddings=1024\); allowed values: at most 1024"):
+        kvpress.patch_model(model, policy, **params)
+    assert untouched(model)
+
+
+def test_an_unwritable_offload_dir_is_refused_at_patch_time():
+    """It was accepted, and generate failed once the prompt was stored."""
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match=r"shadowkv: offload_dir='/proc': no file can be written"):
+        kvpress.patch_model(model, "shadowkv", budget=16, offload_dir="/proc")
+    assert untouched(model)
+
+
+def test_hip_on_a_prompt_shorter_than_its_sinks_reads_it_whole():
+    """IndexError before: the searched range started past the prompt."""
+    model = tiny_model("llama")
+    ids = torch.randint(3, 128, (1, 3), generator=torch.Generator().manual_seed(0))
+    expected = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False)
+    with kvpress.patch_model(model, "hip", budget=24, n_sink=8, window=4, block_size=2):
+        got = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False)
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (lambda ids: dict(input_ids=ids[0]), r"input_ids: \(40,\) torch.int64; allowed values: integer token ids"),
+    (lambda ids: dict(input_ids=ids.float()), r"input_ids: \(1, 40\) torch.float32"),
+    (lambda ids: dict(input_ids=ids[:, :0]), r"input_ids: \(1, 0\)"),
+    (lambda ids: dict(input_ids=ids, attention_mask=torch.ones(1, 39)), r"attention_mask: \(1, 39\)"),
+    (lambda ids: dict(input_ids=ids, do_sample="yes"), r"do_sample='yes'; allowed values: True or False"),
+])
+def test_speculative_generate_refuses_ids_it_cannot_run(bad, match):
+    model = tiny_model("llama")
+    ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match=match):
+        kvpress.speculative_generate(model, max_new_tokens=3, **bad(ids))
+    assert untouched(model)
+
+
+@pytest.mark.parametrize("kwargs,match", [(dict(draft_tokens=True), r"draft_tokens=True"),
+                                          (dict(context_ids="float"), r"context_ids: \(1, 40\)")])
+def test_rapid_generate_refuses_bools_and_float_ids(kwargs, match):
+    model = tiny_model("llama")
+    ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(0))
+    if kwargs.get("context_ids") == "float":
+        kwargs = dict(context_ids=ids.float())
+    args = {**dict(context_ids=ids, question_ids=ids[:, :5], max_new_tokens=3), **kwargs}
+    with pytest.raises(ValueError, match=match):
+        kvpress.speculative.rapid_generate(model, args.pop("context_ids"), args.pop("question_ids"), **args)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(context=""), r"context=''; allowed values: a non-empty string"),
+    (dict(context=None), r"context=None"),
+    (dict(context=["a document"]), r"context=\['a document'\]"),
+    (dict(chat_template="yes"), r"chat_template='yes'; allowed values: None"),
+    (dict(tokenizer=None), r"tokenizer=None; allowed values: the model's tokenizer"),
+    (dict(tokenizer="gpt2"), r"tokenizer='gpt2'"),
+])
+def test_compress_names_the_argument_that_is_wrong(kwargs, match):
+    """Each was reported as a missing compression ratio (or an AttributeError)."""
+    from test_compressed import CONTEXT, TOK
+    model = tiny_model("llama")
+    args = {**dict(tokenizer=TOK, context=CONTEXT), **kwargs}
+    with pytest.raises(ValueError, match=match):
+        kvpress.compress(model, args.pop("tokenizer"), args.pop("context"), **args)
+    assert untouched(model)
+
+
+@pytest.mark.parametrize("tokenizer", [None, "gpt2", 42])
+def test_ask_with_what_is_not_a_tokenizer_is_a_value_error(tokenizer):
+    from test_compressed import CONTEXT, TOK
+    model = tiny_model("llama")
+    compressed = kvpress.compress(model, TOK, CONTEXT, "snapkv", compression_ratio=0.5)
+    with pytest.raises(ValueError, match=r"tokenizer=.*; allowed values: the model's tokenizer"):
+        compressed.ask(tokenizer, "Who?")
+    assert untouched(model)

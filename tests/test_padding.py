@@ -130,6 +130,12 @@ def test_a_view_whose_forced_pages_outnumber_its_budget_reads_them_all_as_alone(
     _assert_rows_as_alone(name, params, n_short=n_short)
 
 
+def test_commvq_codes_every_block_size_of_a_padded_batch(llama_file):  # noqa: F811
+    """block_size=1 on a padded batch: a padding slot's RoPE position (before its row's first token) was negative
+    and the read refused it. Padding slots are coded at 0 (never read); the row equals itself alone."""
+    _assert_rows_as_alone("commvq", dict(_params("commvq", llama_file), block_size=1, residual_length=4))
+
+
 CHUNKABLE = sorted(set(PARAMS) - {"laq", "kivi", "gear", "zipcache", "commvq", "quest", "retrieval", "sink_window", "topk", "token_select", "recycled_attention", "hip", "tidal_decode", "lserve", "double_sparsity", "shadowkv", "subgen"})
 
 

@@ -59,6 +59,16 @@ class FileTier:
         point, kind = max(inside, key=lambda m: len(m[0]), default=("", ""))
         return kind if kind in ("tmpfs", "ramfs") else None
 
+    def writable(self) -> str | None:
+        """None when a file can be made in the folder, else why not (checked before a patch, not mid-generate)."""
+        try:
+            fd, path = tempfile.mkstemp(prefix="kvpress-shadow-probe-", dir=self.folder)
+        except OSError as e:
+            return e.strerror or str(e)
+        os.close(fd)
+        os.unlink(path)
+        return None
+
     def put(self, tensor: torch.Tensor) -> torch.Tensor:
         tensor = tensor.detach().to("cpu").contiguous()
         fd, path = tempfile.mkstemp(prefix="kvpress-shadow-", suffix=".bin", dir=self.folder)

@@ -6,6 +6,7 @@ import numbers
 
 from ..policies import Policy, resolve_policy
 from ..policies.base import ModelInfo
+from ..policies.params import check_context
 from .hf import ATTENTION_PREFIX, SUPPORTED_BASES, attention_modules_of, model_info
 from .patch import Patch
 from .registry import PATCHING, is_patched, patch_of
@@ -41,6 +42,7 @@ def install(kind: type, model, policy, prefill_chunk_size: int | None = None, qu
         question_tokens = int(question_tokens)
     with PATCHING:  # the checks and the installation are one step for other threads patching the same model
         info, base = _check_model(model)
+        check_context(policy, getattr(info.config, "max_position_embeddings", None))
         return kind(model, policy.for_model(info), base, info, prefill_chunk_size, question_tokens)
 
 

@@ -17,6 +17,7 @@ from .allocation import pyramid_budgets, validate_allocation, whole_pages
 from .context import Context
 from .protocol import Needs, Policy
 from .roles import DecodeEviction
+from .params import tokens
 
 
 @dataclass
@@ -79,7 +80,7 @@ class AllocatedBudgetPolicy(BudgetPolicy):
     head_floor: float = 0.2
     pyramid_beta: float = 20.0
     decode_budget: int | None = None
-    slack: int = 0
+    slack: int = tokens(0)
     allocations: ClassVar[tuple] = ("uniform", "pyramid", "adaptive")
 
     def validate(self) -> None:

@@ -93,7 +93,8 @@ class CommVQ(Codec):
         book, padding = self._book(layer_idx, layer.num_kv_heads), layer.padding
 
         def encode(keys, values, valid, positions):
-            rope = positions if padding is None else positions - padding.view(-1, 1, 1).to(positions)
+            # (a padding slot, never read, would sit before its row's position 0: it is coded at 0)
+            rope = positions if padding is None else (positions - padding.view(-1, 1, 1).to(positions)).clamp(min=0)
             return encode_commvq(keys, values, valid, rope, book)
 
         layer.flush_low_bit(self.residual_length, self.block_size, encode)

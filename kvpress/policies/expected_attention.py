@@ -27,6 +27,7 @@ from .protocol import Needs
 from .scorer import ScorerPolicy
 from .selection import first_slots
 from .registry import register
+from .params import tokens
 
 _COUNT, _REAL, _SUM, _OUTER = "ea_count", "ea_real_seen", "ea_query_sum", "ea_query_outer"
 
@@ -35,7 +36,7 @@ _COUNT, _REAL, _SUM, _OUTER = "ea_count", "ea_real_seen", "ea_query_sum", "ea_qu
 @dataclass
 class ExpectedAttention(ScorerPolicy):
     name = "expected_attention"
-    n_future_positions: int = 512
+    n_future_positions: int = tokens(512)
     n_sink: int = 4
     use_covariance: bool = True
     use_vnorm: bool = True

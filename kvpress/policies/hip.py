@@ -55,7 +55,8 @@ class HiP(ReadPolicy):
         real = layer.key_valid()  # [B, Hkv, T]; fillers lead
         lead = (~real).sum(-1)
         n_real = real.sum(-1)
-        first = lead + self.sinks  # the searched range [first, last) of each (row, head)
+        # the searched range [first, last) of each (row, head); a row shorter than its sinks is read whole
+        first = (lead + self.sinks).clamp(max=lead + n_real)
         last = (lead + n_real - max(self.recent, ctx.q_len)).clamp(min=first)
         k = self.budget - self.sinks - self.recent
         nodes = k // self.block_size

@@ -42,6 +42,7 @@ from .roles import ReadView
 from .selection import evict_to_budget, select_kept
 from .snapkv import check_window_and_pooling, pooled_votes, window_slots
 from .sparse import slots_of
+from .params import tokens
 
 _DRAFT = "laq draft"  # layer.policy_stats: [B, Hkv, T] the stage-1 kept slots, until after_prefill
 _VOTES = "laq votes"  # layer.policy_stats: [B, Hq, T] the last window_size prompt rows' attention, summed
@@ -51,7 +52,7 @@ _VOTES = "laq votes"  # layer.policy_stats: [B, Hq, T] the last window_size prom
 @dataclass
 class LookaheadQCache(AllocatedBudgetPolicy):
     name = "laq"
-    lookahead: int = 8
+    lookahead: int = tokens(8)
     window_size: int = 8
     draft_window: int = 32
     kernel_size: int = 7

@@ -12,6 +12,7 @@ from .context import Context
 from .protocol import ModelInfo
 from .sparse import ReadPolicy, page_stats, sinks_and_window, slots_of
 from .registry import register
+from .params import tokens
 
 
 @register
@@ -34,7 +35,7 @@ class LServe(ReadPolicy):
 
     name = "lserve"
     budget: int = 4096
-    page_size: int = 64
+    page_size: int = tokens(64)
     sub_pages: int = 4
     reuse_interval: int = 4
     static_sparsity: float = 0.5

@@ -23,6 +23,28 @@ KINDS = {
     "bool": lambda v: isinstance(v, bool),
 }
 KIND_WORDS = {"int": "an int", "float": "a number", "str": "a string", "bool": "True or False", "None": "None"}
+# field metadata: a count of tokens (or slots) that may not exceed the model's context
+WITHIN_CONTEXT = "within_context"
+
+
+def tokens(default: int):
+    """A hyper-parameter counting tokens whose value sizes an allocation or a loop (a reserve, a page, a run of
+    pseudo tokens): at most the model's context (check_context), where a larger one could only exhaust memory or
+    time for nothing."""
+    return dataclasses.field(default=default, metadata={WITHIN_CONTEXT: True})
+
+
+def check_context(policy, context: int | None) -> None:
+    """ValueError naming the first hyper-parameter declared with tokens() that exceeds `context`, the model's
+    max_position_embeddings (None: the model declares none, nothing is bounded)."""
+    if context is None:
+        return
+    for part in policy.parts():
+        for f in dataclasses.fields(part):
+            value = getattr(part, f.name)
+            if f.metadata.get(WITHIN_CONTEXT) and value is not None and value > context:
+                raise ValueError(f"{part.name}: {f.name}={value} is more tokens than the model reads "
+                                 f"(max_position_embeddings={context}); allowed values: at most {context}")
 
 
 def check_params(cls: type, params: dict) -> None:

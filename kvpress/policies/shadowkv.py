@@ -45,6 +45,7 @@ from .protocol import Needs
 from .registry import register
 from .roles import StorageTier
 from .sparse import ReadPolicy
+from .params import tokens
 
 PAPER_RANK_SHARE = 160 / 1024  # the official rank over Llama-3-8B's key width (8 KV heads x 128)
 
@@ -54,7 +55,7 @@ class _Chunking:
     """The hyper-parameters of ShadowKV's chunk plan, shared by the storage policy and the draft view."""
 
     budget: int = 2048  # tokens of selected chunks read per step (per KV head)
-    chunk_size: int = 8
+    chunk_size: int = tokens(8)
     local_chunks: int = 4
     outlier_chunks: int = 48
 
@@ -125,6 +126,10 @@ class ShadowKV(_Chunking, StorageTier):
         return Needs(rotary=True)
 
     def for_model(self, model) -> "ShadowKV":
+        tier = FileTier(self.offload_dir)
+        if (why := tier.writable()) is not None:
+            raise ValueError(f"shadowkv: offload_dir={self.offload_dir!r}: no file can be written in {tier.folder!r} "
+                             f"({why}); allowed values: a writable folder on disk (offload_dir, or $KVPRESS_OFFLOAD_DIR)")
         width = model.config.num_key_value_heads * model.head_dim
         if self.rank is not None and self.rank > width:
             raise ValueError(f"shadowkv: rank={self.rank} exceeds the keys' width (KV heads x head_dim = {width}); "

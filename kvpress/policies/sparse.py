@@ -20,6 +20,7 @@ from .context import Context
 from .protocol import Policy
 from .roles import ReadView
 from .registry import register
+from .params import tokens
 
 
 def leading_fillers(layer) -> torch.Tensor | None:
@@ -208,7 +209,7 @@ class Quest(ReadPolicy):
     name = "quest"
     captures: ClassVar[bool] = True
     budget: int = 512
-    page_size: int = 16
+    page_size: int = tokens(16)
 
     def prepare_step(self, layer) -> None:
         if ("pages", self.page_size) not in layer.room.derived:
@@ -239,7 +240,7 @@ class Retrieval(ReadPolicy):
 
     name = "retrieval"
     budget: int = 4096
-    chunk_size: int = 8
+    chunk_size: int = tokens(8)
     recent: int = 64
 
     def validate(self) -> None:

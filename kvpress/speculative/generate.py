@@ -118,6 +118,19 @@ def _check(draft, gamma, max_new_tokens, do_sample, temperature, top_p, draft_bu
     check_sampling(do_sample, temperature, top_p)
 
 
+def _check_ids(input_ids, attention_mask) -> None:
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[1] < 1 or \
+            input_ids.is_floating_point() or input_ids.dtype == torch.bool:
+        shape = f"{tuple(input_ids.shape)} {input_ids.dtype}" if isinstance(input_ids, torch.Tensor) else \
+            type(input_ids).__name__
+        raise ValueError(f"input_ids: {shape}; allowed values: integer token ids [batch, n], n >= 1")
+    if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor)
+                                       or tuple(attention_mask.shape) != tuple(input_ids.shape)):
+        shape = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__
+        raise ValueError(f"attention_mask: {shape}; allowed values: None, or a mask of input_ids' shape "
+                         f"{tuple(input_ids.shape)}")
+
+
 def _check_past(cache, input_ids):
     if cache is None:
         return
@@ -207,6 +220,7 @@ def speculative_generate(model, input_ids, attention_mask=None, *, draft="sink_w
         out, stats = kvpress.speculative_generate(model, ids, draft="quest", gamma=4, return_stats=True)
         print(stats.acceptance_rate, stats.tokens_per_round, stats.decode_tokens_per_s)"""
     _check(draft, gamma, max_new_tokens, do_sample, temperature, top_p, draft_budget)
+    _check_ids(input_ids, attention_mask)
     if logits_processor is not None and not callable(logits_processor):
         raise ValueError(f"logits_processor={logits_processor!r:.60}; allowed values: None, or a callable (ids, logits) "
                          f"-> logits such as transformers' LogitsProcessorList")

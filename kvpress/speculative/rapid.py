@@ -131,7 +131,8 @@ def _check(model, context_ids, question_ids, query_ids, chunk_size, draft_tokens
     for name, ids in (("context_ids", context_ids), ("question_ids", question_ids), ("query_ids", query_ids)):
         if ids is None and name == "query_ids":
             continue
-        if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[0] != 1 or ids.shape[1] < 1:
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[0] != 1 or ids.shape[1] < 1 or \
+                ids.is_floating_point() or ids.dtype == torch.bool:
             shape = tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__
             raise ValueError(f"{name}: {shape}; allowed values: a tensor of token ids [1, n], n >= 1 (one row at a "
                              f"time)")
@@ -139,7 +140,8 @@ def _check(model, context_ids, question_ids, query_ids, chunk_size, draft_tokens
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name}={value!r}; allowed values: an int >= 1")
     whole = context_ids.shape[1]
-    if draft_tokens is not None and (not isinstance(draft_tokens, int) or not 1 <= draft_tokens <= whole):
+    if draft_tokens is not None and (not isinstance(draft_tokens, int) or isinstance(draft_tokens, bool)
+                                     or not 1 <= draft_tokens <= whole):
         raise ValueError(f"draft_tokens={draft_tokens!r}; allowed values: None (a tenth of the context) or an int in "
                          f"1..{context_ids.shape[1]} (the context's length)")
     check_sampling(do_sample, temperature, top_p)

@@ -42,6 +42,8 @@ def accept(p: torch.Tensor, q: torch.Tensor | None, drafts: torch.Tensor, genera
 
 
 def check_sampling(do_sample, temperature, top_p) -> None:
+    if not isinstance(do_sample, bool):
+        raise ValueError(f"do_sample={do_sample!r}; allowed values: True or False")
     if do_sample and not temperature > 0:
         raise ValueError(f"temperature={temperature!r}; allowed values: a float > 0")
     if not 0 < top_p <= 1:

@@ -23,6 +23,7 @@ from vllm.v1.worker.cpu_worker import CPUWorker
 
 from ...formats.calibration import identity_of
 from ...policies.base import ModelInfo
+from ...policies.params import check_context
 from ...positions import Rotary
 from .backend import activate
 from .pages import KVPressSpec
@@ -45,7 +46,9 @@ class Worker(CPUWorker):
     def load_model(self, *args, **kwargs) -> None:
         super().load_model(*args, **kwargs)
         model = self.model_runner.model
-        self._policy = self.kvpress.policy.for_model(_model_info(model, self.vllm_config))
+        info = _model_info(model, self.vllm_config)
+        check_context(self.kvpress.policy, getattr(info.config, "max_position_embeddings", None))
+        self._policy = self.kvpress.policy.for_model(info)
         if self._policy.needs().hidden_states:
             _watch_attention_inputs(model, self)
 
