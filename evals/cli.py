@@ -111,6 +111,9 @@ def run(args) -> dict:
         from .report import write_all
 
         check_outputs(args)
+        if not Path(args.out).is_dir() or not any(Path(args.out).glob("results*.jsonl")):
+            raise ValueError(f"--out={args.out!r} holds no results*.jsonl to summarize; allowed values: the folder of "
+                             f"an earlier kvpress-eval run")
         return dict(written=[str(p) for p in write_all(args.out, plots=not args.no_plots)])
     plan = make_plan(args)
 

@@ -122,6 +122,11 @@ def make_plan(args) -> Plan:
                 raise ValueError(f"--policies: {policy!r} is unknown; allowed values: {list_policies()} "
                                  f"(or an eviction policy + a codec, e.g. snapkv+kivi; parameters after colons, "
                                  f"e.g. snapkv:budget_allocation=adaptive)") from None
+        budgeted = {"compression_ratio", "budget"} & set(parse_policy(policy)[1])
+        if budgeted and takes_ratio(policy):
+            raise ValueError(f"--policies: {policy!r} sets {sorted(budgeted)[0]}, which --ratios sets for every policy "
+                             f"that evicts; allowed: the ratio in --ratios, or another name for the config (a "
+                             f"policy's own options after colons, e.g. snapkv:window_size=16)")
         Config(policy, 0.5).make()  # hyper-parameters are checked here, before any model loads
     ratios = _numbers("--ratios", args.ratios, float, 0.0, 1.0, "floats in [0, 1)")
     if not ratios and any(takes_ratio(p) for p in policies):
@@ -134,6 +139,10 @@ def make_plan(args) -> Plan:
         raise ValueError("--lengths is empty; allowed values: a comma list of token counts, e.g. 2048,4096")
     if args.n < 1:
         raise ValueError(f"--n={args.n}; allowed values: an int >= 1")
+    arguments.at_least("--seed", args.seed, 0)
+    if args.page_tokens < 32 or args.page_tokens % 32:
+        raise ValueError(f"--page-tokens={args.page_tokens}; allowed values: a positive multiple of 32 (vLLM's "
+                         f"CPU attention)")
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens={args.max_new_tokens}; allowed values: an int >= 1")
     if args.questions < 1:
@@ -171,9 +180,6 @@ def make_plan(args) -> Plan:
         if args.tensor_parallel or args.kv_cache_gib <= 0:
             raise ValueError(f"--engine vllm runs on one process with a positive --kv-cache-gib; got "
                              f"--tensor-parallel={args.tensor_parallel}, --kv-cache-gib={args.kv_cache_gib}")
-        if args.page_tokens < 32 or args.page_tokens % 32:
-            raise ValueError(f"--page-tokens={args.page_tokens}; allowed values: a positive multiple of 32 (vLLM's "
-                             f"CPU attention)")
         vllm_engine.check(configs, modes, args.device)
     records = {}
     if args.task == "longbench":

@@ -4,7 +4,9 @@ a calibration run, samples evaluated) and reports it without a traceback."""
 
 from __future__ import annotations
 
+import json
 import os
+import tempfile
 from pathlib import Path
 
 import torch
@@ -34,16 +36,38 @@ def model_folder(flag: str, model: str) -> Path:
     return path
 
 
+def within_context(flag: str, value: int, folder: Path, why: str = "") -> int:
+    """`value` tokens at most the context of the model in `folder` (its config.json's max_position_embeddings)."""
+    config = json.loads((Path(folder) / "config.json").read_text())
+    context = config.get("text_config", config).get("max_position_embeddings")
+    if context is not None and value > context:
+        raise ValueError(f"{flag}={value}: more tokens than the model reads (max_position_embeddings={context}); "
+                         f"allowed values: at most {context}{why}")
+    return value
+
+
 def writable_folder(flag: str, path) -> Path:
-    """`path` as a folder this process can write into once it creates it (if missing)."""
+    """`path` as a folder this process can write into once it creates it (if missing): a file is made and removed
+    in its nearest existing folder (permission bits say too little: root, read-only mounts, /proc)."""
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise ValueError(f"{flag}={str(path)!r} is a file; allowed values: a folder (existing or new) you can write to")
     existing = next(p for p in (path, *path.parents) if p.exists())
-    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
-        raise ValueError(f"{flag}={str(path)!r}: {str(existing)!r} is not a folder you can write to; allowed values: "
-                         f"a folder (existing or new) you can write to")
+    why = "not a folder" if not existing.is_dir() else _cannot_create_in(existing)
+    if why:
+        raise ValueError(f"{flag}={str(path)!r}: {str(existing)!r} is not a folder you can write to ({why}); allowed "
+                         f"values: a folder (existing or new) you can write to")
     return path
+
+
+def _cannot_create_in(folder: Path) -> str | None:
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".kvpress-probe-", dir=folder)
+    except OSError as e:
+        return e.strerror or str(e)
+    os.close(fd)
+    os.unlink(probe)
+    return None
 
 
 def writable_file(flag: str, path) -> Path:
@@ -51,8 +75,12 @@ def writable_file(flag: str, path) -> Path:
     path = Path(path)
     if path.is_dir():
         raise ValueError(f"{flag}={str(path)!r} is a folder; allowed values: a file path you can write to")
-    if path.exists() and not os.access(path, os.W_OK):
-        raise ValueError(f"{flag}={str(path)!r} cannot be overwritten; allowed values: a file path you can write to")
+    if path.exists():
+        try:
+            open(path, "ab").close()  # (append mode: the content stays)
+        except OSError as e:
+            raise ValueError(f"{flag}={str(path)!r} cannot be overwritten ({e.strerror or e}); allowed values: a file "
+                             f"path you can write to") from None
     writable_folder(flag, path.parent)
     return path
 
@@ -66,6 +94,8 @@ def device(flag: str, name: str) -> str:
     except RuntimeError as e:
         raise ValueError(f"{flag}={name!r}: {e}; allowed values: auto, cpu, cuda, cuda:N") from None
     if chosen.type == "cpu":
+        if chosen.index is not None:
+            raise ValueError(f"{flag}={name!r}: torch has one CPU device; allowed values: auto, cpu")
         return name
     backend = getattr(torch, chosen.type, None)
     available = getattr(backend, "is_available", lambda: False)()

@@ -361,6 +361,7 @@ def main(argv=None) -> None:
         source = arguments.model_folder("--model", args.model)
         arguments.at_least("--texts", args.texts, HELD_OUT + 1, f" ({HELD_OUT} texts are held out to measure the fit)")
         arguments.at_least("--tokens", args.tokens, MIN_TOKENS, " (tokens per text)")
+        arguments.within_context("--tokens", args.tokens, source, " (tokens per text)")
         out = arguments.writable_file("--out", Path(args.out) if args.out else source / FILE_NAME)
         if args.codebook_stages is not None:
             arguments.at_least("--codebook-stages", args.codebook_stages, 1, " (residual stages)")

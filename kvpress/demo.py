@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 import kvpress
-from kvpress.models import load
+from kvpress.models import context_of, load
 from kvpress.needle import haystack_sentences
 
 FACTS = [  # (sentence, question, what a correct answer contains)
@@ -27,6 +27,7 @@ FACTS = [  # (sentence, question, what a correct answer contains)
     ("The treasury of the village holds 316 gold coins.", "How many gold coins does the treasury hold?", "316"),
 ]
 DEPTHS = [0.15, 0.4, 0.65, 0.9]
+QUESTION_ROOM = 64  # tokens a question and the chat template around it take after the document
 BEST = dict(policy="kvzap+kivi", compression_ratio=0.5, bits=4, residual_length=32)
 
 
@@ -66,6 +67,11 @@ def main(argv=None):
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')}={value}; allowed values: an int >= 1")
+    context = context_of("smollm2")  # (its config.json: before the model loads)
+    if context is not None and args.tokens + args.new_tokens + QUESTION_ROOM > context:
+        parser.error(f"--tokens={args.tokens} --new-tokens={args.new_tokens}: with the questions that is more than "
+                     f"SmolLM2 reads ({context} tokens); allowed values: --tokens + --new-tokens <= "
+                     f"{context - QUESTION_ROOM}")
     if args.threads:
         torch.set_num_threads(args.threads)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -54,6 +55,16 @@ def model_path(name: str) -> Path:
     if name not in MODELS:
         raise ValueError(f"model={name!r} is unknown; allowed values: {sorted(MODELS)}")
     return models_dir() / name
+
+
+def context_of(name: str) -> int | None:
+    """The prepared model's context (max_position_embeddings, from its config.json: no weights loaded); None when
+    it is not prepared."""
+    config = model_path(name) / "config.json"
+    if not config.is_file():
+        return None
+    text = json.loads(config.read_text())
+    return int(text.get("text_config", text)["max_position_embeddings"])
 
 
 def is_available(name: str) -> bool:

@@ -63,6 +63,9 @@ def test_kvpress_models_refuses_an_unknown_name_before_any_download():
     (["--model", "smollm2", "--codebooks-only", "--out", "{folder}/none.kvpress"],
      "--codebooks-only adds CommVQ's codebooks to an existing calibration file, and there is none"),
     (["--model", "smollm2", "--codebook-stages", "0"], "--codebook-stages"),
+    (["--model", "smollm2", "--tokens", str(10 ** 8), "--out", "{folder}/c.kvpress"],
+     "--tokens=100000000: more tokens than the model reads (max_position_embeddings=8192)"),
+    (["--model", "smollm2", "--out", "/proc/calibration.kvpress"], "'/proc' is not a folder you can write to"),
 ])
 def test_kvpress_calibrate_checks_every_flag_before_the_model_loads(argv, message, tmp_path, monkeypatch, capsys):
     """A missing model folder gave a hub repo-id error, --texts 2 a traceback with internal names, --tokens 0 wrote
@@ -118,6 +121,11 @@ def test_the_demo_runs_and_answers_the_same_after_save_and_load():
     (["--task", "rulr"], "--task"),
     (["--task", "ruler", "--ratios", "1.5"], "--ratios"),
     (["--task", "ruler", "--policies", "snapkv,nosuch"], "nosuch"),
+    (["--task", "ruler", "--device", "cpu:3"], "--device='cpu:3': torch has one CPU device; allowed values: auto, cpu"),
+    (["--task", "ruler", "--page-tokens", "0"], "--page-tokens=0; allowed values: a positive multiple of 32"),
+    (["--task", "ruler", "--seed", "-1"], "--seed=-1; allowed values: an int >= 0"),
+    (["--task", "ruler", "--policies", "snapkv:compression_ratio=0.5"],
+     "--policies: 'snapkv:compression_ratio=0.5' sets compression_ratio, which --ratios sets"),
 ])
 def test_kvpress_eval_refuses_bad_flags_in_one_line(argv, message, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(evals.cli, "load_model", NoModelLoads.from_pretrained)
@@ -125,6 +133,25 @@ def test_kvpress_eval_refuses_bad_flags_in_one_line(argv, message, tmp_path, mon
     lines = [l for l in stderr.splitlines() if l.strip()]
     assert lines[-1].startswith("kvpress-eval: error:") and message in lines[-1], stderr[-2000:]
     assert not (tmp_path / "out").exists()
+
+
+def test_kvpress_eval_refuses_an_unwritable_out_and_a_summary_of_nothing(tmp_path, monkeypatch, capsys):
+    """--out in a folder no file can be made in (root passes permission bits: /proc), and --summarize of a folder that
+    does not exist (it exited 0, writing nothing)."""
+    monkeypatch.setattr(evals.cli, "load_model", NoModelLoads.from_pretrained)
+    stderr = refused(evals.cli.main, ["--model", "smollm2", "--task", "ruler", "--out", "/proc/kvpress-out"], capsys)
+    assert "--out='/proc/kvpress-out': '/proc' is not a folder you can write to" in stderr
+    stderr = refused(evals.cli.main, ["--model", "smollm2", "--task", "ruler", "--out", str(tmp_path / "missing"),
+                                      "--summarize"], capsys)
+    assert "holds no results*.jsonl to summarize" in stderr and not (tmp_path / "missing").exists()
+
+
+def test_the_demo_refuses_a_document_longer_than_the_model_reads(capsys):
+    import kvpress.demo
+
+    for argv in (["--tokens", str(10 ** 8)], ["--new-tokens", str(10 ** 8)]):
+        stderr = refused(kvpress.demo.main, argv, capsys)
+        assert "with the questions that is more than SmolLM2 reads (8192 tokens)" in stderr
 
 
 def test_every_benchmark_script_imports():
