@@ -39,6 +39,31 @@ def tiny_model(arch: str = "llama", attn: str = "sdpa", seed: int = 0):
     return model.eval()
 
 
+class CharTokenizer:
+    """A tokenizer without a chat template, for tiny random models (vocab 128)."""
+
+    chat_template = None
+
+    def encode(self, text, add_special_tokens=False):
+        return [3 + ord(c) % 120 for c in text]
+
+
+TOK = CharTokenizer()
+
+
+@pytest.fixture(scope="session")
+def llama_file(tmp_path_factory):
+    """A calibration file of the tiny Llama (KVzap's predictors, the head ranking, CommVQ's codebooks with 3 stages,
+    Double Sparsity's channels, LESS's maps), made once for the whole run."""
+    from kvpress.calibration import calibrate
+
+    calibration = calibrate(tiny_model("llama"), TOK, n_texts=3, n_tokens=120, held_out=1, tokens_per_text=80,
+                            codebook_stages=3, log=lambda *a: None)
+    path = tmp_path_factory.mktemp("calibration") / "tiny.safetensors"
+    calibration.save(path)
+    return path
+
+
 @functools.lru_cache(maxsize=2)
 def _real(name):
     from kvpress.models import load

@@ -14,8 +14,7 @@ from kvpress import KVPressCache
 from kvpress.calibration import Calibration, calibrate, collect, calibration_texts, fit, model_identity
 from kvpress.formats import less as less_format
 
-from conftest import greedy, record_held_tokens, tiny_model
-from test_query_agnostic import TOK
+from conftest import TOK, greedy, record_held_tokens, tiny_model
 
 
 class WordTokenizer:
@@ -25,16 +24,6 @@ class WordTokenizer:
 
     def encode(self, text, add_special_tokens=False):
         return [3 + zlib.crc32(word.encode()) % 125 for word in text.split()]
-
-
-@pytest.fixture(scope="module")
-def llama_file(tmp_path_factory):
-    model = tiny_model("llama")
-    calibration = calibrate(model, TOK, n_texts=3, n_tokens=120, held_out=1, tokens_per_text=80, codebook_stages=3,
-                            log=lambda *a: None)
-    path = tmp_path_factory.mktemp("calibration") / "tiny.safetensors"
-    calibration.save(path)
-    return path
 
 
 def _attention_inputs(model, ids):

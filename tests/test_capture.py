@@ -13,9 +13,7 @@ import torch._dynamo as dynamo
 
 import kvpress
 from kvpress import KVPressCache
-from kvpress.calibration import calibrate
 from tests.conftest import counter_bytes, tiny_model
-from tests.test_calibrated import TOK, llama_file  # noqa: F401  (a calibration file with codebooks)
 
 CODEC = dict(bits=4, group_size=16, residual_length=16)
 CUTS = dict(compression_ratio=0.5, slack=4)  # decode-time evictors cut every 5 steps
@@ -29,15 +27,6 @@ CASES = [("none", "none", {}), ("snapkv", "snapkv", dict(compression_ratio=0.5, 
          ("snapkv decode_budget", "snapkv", dict(compression_ratio=0.5, decode_budget=8, slack=4)),
          ("quest", "quest", dict(budget=48, page_size=8))]
 PROMPT, STEPS = 60, 20
-
-
-@pytest.fixture(scope="module")
-def calibration_file(tmp_path_factory):
-    calibration = calibrate(tiny_model("llama"), TOK, n_texts=3, n_tokens=120, held_out=1, tokens_per_text=80,
-                            log=lambda *a: None)
-    path = tmp_path_factory.mktemp("calibration") / "tiny.safetensors"
-    calibration.save(path)
-    return path
 
 
 class Graphs:
@@ -88,12 +77,12 @@ def _decode_both(policy, params, reserve, steps=STEPS, calibration=None, padding
 
 
 @pytest.mark.parametrize("policy,params", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_a_captured_decode_step_equals_eager_and_keeps_its_shapes(policy, params, calibration_file):
+def test_a_captured_decode_step_equals_eager_and_keeps_its_shapes(policy, params, llama_file):
     """Every step's logits equal the eager step's; the step compiles once, and again only after a step that moved
     tokens into low-bit codes (an event: the codes' shapes change); a decode-time evictor's cut (every slack + 1
     steps, on the host) leaves the room's shapes as they were: no new compilation. No graph takes a Python number."""
     graphs, counts, eager, captured, shapes = _decode_both(policy, params, reserve=32,
-                                                           calibration=calibration_file if policy == "kvzap" else None)
+                                                           calibration=llama_file if policy == "kvzap" else None)
     # a flush in step i's settling (after its graph) changes the shapes step i + 1 traces
     flushes = [i for i in range(1, STEPS) if shapes[i][0][0] != shapes[i - 1][0][0]]
     assert counts == [1 + sum(f < i for f in flushes) for i in range(STEPS)]
@@ -199,7 +188,7 @@ REGISTRY = _registry_cases()
 
 
 @pytest.mark.parametrize("case", sorted(REGISTRY))
-def test_every_registered_policy_captures_or_is_refused_before_anything_changes(case, llama_file):  # noqa: F811
+def test_every_registered_policy_captures_or_is_refused_before_anything_changes(case, llama_file):
     """Every registered policy and composition (and the options that change the answer): six captured steps
     (fullgraph, dynamic=False) equal the eager ones, or the reserved cache's first forward is refused with the
     policy's reason (cache/room.py cannot keep its step's shapes), leaving the cache empty."""

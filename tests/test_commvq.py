@@ -14,7 +14,6 @@ from kvpress.kernels import vq_search
 from kvpress.formats.calibration import Calibration
 
 from conftest import tiny_model
-from test_calibrated import llama_file  # noqa: F401  (a calibration file for the tiny Llama, with codebooks)
 from test_shadowkv import THETA, _rope
 
 D, P = 16, 8  # the tiny Llama's head_dim, and its pairs per group
@@ -173,7 +172,7 @@ def _coded(x, stage_words, position):
     return out if position is None else _rope(out[None], torch.tensor([position]))[0]
 
 
-def test_a_decode_step_reads_the_keys_and_values_the_definition_decodes(llama_file):  # noqa: F811
+def test_a_decode_step_reads_the_keys_and_values_the_definition_decodes(llama_file):
     model = tiny_model("llama")
     ids = torch.randint(3, 120, (1, T), generator=torch.Generator().manual_seed(3))
     nxt = torch.tensor([[5]])
@@ -200,7 +199,7 @@ def test_a_decode_step_reads_the_keys_and_values_the_definition_decodes(llama_fi
     assert torch.allclose(got, expected, atol=1e-4)
 
 
-def test_bytes_held_are_the_codes_and_norms(llama_file):  # noqa: F811
+def test_bytes_held_are_the_codes_and_norms(llama_file):
     """Per coded slot and KV head: 3 bytes per two codes (Sk key and Sv value stages of one group), two fp16 norms;
     consecutive RoPE positions are held as one start per row. After an eviction every slot holds its int32 RoPE
     position."""
@@ -223,7 +222,7 @@ def test_bytes_held_are_the_codes_and_norms(llama_file):  # noqa: F811
             assert slots == layers * heads * 64 and sum(c.nbytes() for c in codes) == slots * per_slot + layers * 4
 
 
-def test_bad_settings_are_refused_before_the_model_changes(llama_file, tmp_path):  # noqa: F811
+def test_bad_settings_are_refused_before_the_model_changes(llama_file, tmp_path):
     model = tiny_model("llama")
     for params, match in ((dict(key_stages=0), "key_stages=0"), (dict(value_stages=0), "value_stages=0"),
                           (dict(value_stages=99), "value_stages=99 but the calibration"),

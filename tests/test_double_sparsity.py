@@ -17,9 +17,7 @@ from kvpress.policies import Context, DoubleSparsity, TopK
 
 from transformers.models.llama import modeling_llama
 
-from conftest import greedy, tiny_model
-from test_calibrated import llama_file  # noqa: F401  (a calibration file for the tiny Llama, with label channels)
-from test_query_agnostic import TOK
+from conftest import TOK, greedy, tiny_model
 
 B, HQ, HKV, T, D = 2, 6, 2, 80, 16
 G = HQ // HKV
@@ -125,14 +123,14 @@ def test_label_channels_are_each_heads_channels_by_mean_q_k_and_repeatable():
     assert first[0, 3].tolist() == total.argsort(descending=True, stable=True).tolist()
 
 
-def test_a_budget_over_the_context_generates_the_plain_tokens(llama_file):  # noqa: F811
+def test_a_budget_over_the_context_generates_the_plain_tokens(llama_file):
     model, ids = tiny_model(), torch.randint(3, 128, (1, 60), generator=torch.Generator().manual_seed(5))
     plain = greedy(model, ids, 8)
     with kvpress.patch_model(model, "double_sparsity", budget=100, group_factor=4, calibration=str(llama_file)):
         assert greedy(model, ids, 8, past_key_values=KVPressCache(model.config)).tolist() == plain.tolist()
 
 
-def test_a_calibration_without_label_channels_is_refused_with_the_command(llama_file, tmp_path):  # noqa: F811
+def test_a_calibration_without_label_channels_is_refused_with_the_command(llama_file, tmp_path):
     bare = Calibration.load(llama_file)
     bare.channels = None
     bare.save(tmp_path / "bare.kvpress")
@@ -146,7 +144,7 @@ def test_a_calibration_without_label_channels_is_refused_with_the_command(llama_
     (dict(group_factor=32), r"group_factor=32 leaves no channel of the model's head_dim=16"),
     (dict(dense_layers=-1), r"dense_layers=-1; allowed values: an int >= 0"),
 ])
-def test_bad_parameters_are_refused(params, match, llama_file):  # noqa: F811
+def test_bad_parameters_are_refused(params, match, llama_file):
     with pytest.raises(ValueError, match=match):
         kvpress.patch_model(tiny_model(), "double_sparsity", calibration=str(llama_file), **params)
 

@@ -17,7 +17,6 @@ from kvpress import KVPressCache
 from kvpress.policies import get_policy_class
 
 from conftest import reachable_storage_bytes, tiny_model
-from test_calibrated import llama_file  # noqa: F401  (a calibration file for the tiny Llama: kvzap, duo_attention)
 from test_errors import untouched
 from test_padding import COMPOSED, PARAMS, _params
 
@@ -51,7 +50,7 @@ def _batch():
 
 
 @pytest.mark.parametrize("name", sorted(PARAMS) + sorted(COMPOSED))
-def test_random_parameters_are_refused_cleanly_or_run_sanely(name, llama_file):  # noqa: F811
+def test_random_parameters_are_refused_cleanly_or_run_sanely(name, llama_file):
     rng = random.Random(zlib.crc32(name.encode()))
     pools = {}
     for part in name.split("+"):

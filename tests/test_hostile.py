@@ -17,9 +17,8 @@ import torch
 import kvpress
 from kvpress import KVPressCache
 
-from conftest import greedy, record_held_tokens, tiny_model
+from conftest import TOK, greedy, record_held_tokens, tiny_model
 from test_errors import untouched
-from test_query_agnostic import TOK
 
 ROOT = Path(__file__).resolve().parents[1]
 

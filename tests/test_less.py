@@ -18,7 +18,6 @@ from kvpress.less_fit import h2o_masks
 from kvpress.policies import Context, LESS
 
 from conftest import greedy, tiny_model
-from test_calibrated import llama_file  # noqa: F401  (a calibration file for the tiny Llama, with LESS's maps)
 
 
 def _gelu(x):
@@ -72,7 +71,7 @@ def test_a_read_is_the_definition_over_kept_and_evicted_tokens():
         assert torch.allclose(got[hq].double(), num / den, atol=1e-5)
 
 
-def test_every_evicted_token_is_in_the_state_once(llama_file, monkeypatch):  # noqa: F811
+def test_every_evicted_token_is_in_the_state_once(llama_file, monkeypatch):
     """Prompt cut and 12 decode steps: z equals the sum of psi over every position the cache no longer holds (the
     keys each forward appended, recorded as they came)."""
     model = tiny_model("llama")
@@ -123,7 +122,7 @@ def test_h2o_training_masks_keep_what_h2o_keeps():
             assert not bool((keep[:, i, :i - 3] & ~keep[:, i - 1, :i - 3]).any())
 
 
-def test_the_state_is_counted_in_the_bytes(llama_file):  # noqa: F811
+def test_the_state_is_counted_in_the_bytes(llama_file):
     model = tiny_model("llama")
     ids = torch.randint(3, 120, (1, 48), generator=torch.Generator().manual_seed(5))
     held = {}
@@ -136,7 +135,7 @@ def test_the_state_is_counted_in_the_bytes(llama_file):  # noqa: F811
     assert held["less"] - held["h2o"] == layers * heads * rank * (dim + 1) * 4  # H and z, fp32
 
 
-def test_refusals(llama_file, tmp_path):  # noqa: F811
+def test_refusals(llama_file, tmp_path):
     model = tiny_model("llama")
     calibration = Calibration.load(llama_file)
     calibration.less = None

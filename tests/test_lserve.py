@@ -12,7 +12,6 @@ from kvpress.policies import Context, LServe, Quest
 from kvpress.speculative import speculative_generate
 
 from conftest import greedy, tiny_model
-from test_calibrated import llama_file  # noqa: F401  (a calibration file for the tiny Llama)
 
 B, HQ, HKV, T, D = 2, 4, 2, 300, 8
 
@@ -74,7 +73,7 @@ def test_the_selection_is_reused_between_multiples_of_the_interval():
     assert read != [[head | {301, 302, 303} for head in row] for row in first]  # 304: selected anew
 
 
-def test_streaming_heads_read_sinks_and_local_only(llama_file):  # noqa: F811
+def test_streaming_heads_read_sinks_and_local_only(llama_file):
     model, ids = tiny_model(), torch.randint(3, 128, (1, 90), generator=torch.Generator().manual_seed(3))
     streaming = Calibration.load(llama_file).streaming_heads(0.5)
     assert any(bool(h.any()) for h in streaming.values())
@@ -101,7 +100,7 @@ def test_streaming_heads_read_sinks_and_local_only(llama_file):  # noqa: F811
                 assert len(slots) <= 32 + 8 and slots != {0, 1} | set(range(width - 8, width))
 
 
-def test_a_draft_with_streaming_heads_generates_the_plain_tokens(llama_file):  # noqa: F811
+def test_a_draft_with_streaming_heads_generates_the_plain_tokens(llama_file):
     model, ids = tiny_model(), torch.randint(3, 128, (1, 70), generator=torch.Generator().manual_seed(4))
     plain = greedy(model, ids, 16)
     out = speculative_generate(model, ids, draft="lserve", gamma=3, max_new_tokens=16, draft_budget=24,

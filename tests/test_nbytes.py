@@ -10,7 +10,6 @@ import kvpress
 from kvpress import KVPressCache
 
 from conftest import reachable_storage_bytes, tiny_model
-from test_calibrated import llama_file  # noqa: F401  (a calibration file for the tiny Llama)
 from test_compressed import CONTEXT, TOK
 from test_fuzz import _batch
 from test_padding import COMPOSED, PARAMS, _params
@@ -30,13 +29,13 @@ def accounted(cache) -> tuple[int, int]:
 
 
 @pytest.mark.parametrize("name", sorted(PARAMS) + sorted(COMPOSED))
-def test_nbytes_accounts_for_every_allocation_the_cache_holds(name, llama_file):  # noqa: F811
+def test_nbytes_accounts_for_every_allocation_the_cache_holds(name, llama_file):
     reported, held = accounted(generated(name, _params(name, llama_file)))
     assert reported == held
 
 
 @pytest.mark.parametrize("name", ["none", "snapkv", "kivi", "quest", "h2o"])
-def test_a_capture_reserve_is_counted(name, llama_file):  # noqa: F811
+def test_a_capture_reserve_is_counted(name, llama_file):
     params = _params(name, llama_file)
     if name == "h2o":
         params["slack"] = 2
@@ -45,7 +44,7 @@ def test_a_capture_reserve_is_counted(name, llama_file):  # noqa: F811
     assert reported == held and any(row["reserved_slots"] > 0 for row in cache.stats())
 
 
-def test_codebooks_are_shared_tables_not_the_caches_bytes(llama_file):  # noqa: F811
+def test_codebooks_are_shared_tables_not_the_caches_bytes(llama_file):
     """CommVQ's codes read the model's codebooks: reported once in shared_nbytes (the same for two caches), never in
     nbytes (which holds the codes)."""
     params = _params("commvq", llama_file)

@@ -9,9 +9,7 @@ import torch
 import kvpress
 from kvpress import KVPressCache
 
-from conftest import tiny_model
-from test_calibrated import llama_file  # noqa: F401  (a calibration file for the tiny Llama: kvzap, duo_attention)
-from test_query_agnostic import TOK
+from conftest import TOK, tiny_model
 
 LONG, SHORT, NEW = 90, 77, 6  # pad 13: not a multiple of the codecs' group_size, chunk or page size below
 CHUNK = 24
@@ -105,12 +103,12 @@ def _params(name, calibration):
 
 
 @pytest.mark.parametrize("name", sorted(PARAMS))
-def test_left_padded_row_equals_the_row_alone(name, llama_file):  # noqa: F811
+def test_left_padded_row_equals_the_row_alone(name, llama_file):
     _assert_rows_as_alone(name, _params(name, llama_file))
 
 
 @pytest.mark.parametrize("name", sorted(COMPOSED))
-def test_left_padded_row_equals_the_row_alone_composed(name, llama_file):  # noqa: F811
+def test_left_padded_row_equals_the_row_alone_composed(name, llama_file):
     _assert_rows_as_alone(name, _params(name, llama_file))
 
 
@@ -130,7 +128,15 @@ def test_a_view_whose_forced_pages_outnumber_its_budget_reads_them_all_as_alone(
     _assert_rows_as_alone(name, params, n_short=n_short)
 
 
-def test_commvq_codes_every_block_size_of_a_padded_batch(llama_file):  # noqa: F811
+def test_duo_attention_cuts_each_row_when_it_passes_its_own_limit(llama_file):
+    """The 40-token row (within n_sink + window = 42 at prefill) passes 42 during decoding, before its limit of 46
+    with slack 4, while the 90-token row is cut at step 5: every row was cut whenever any was (SmolLM2: batched answers
+    other than asking alone). Each (row, streaming head) is now cut on its own schedule."""
+    _assert_rows_as_alone("duo_attention", dict(_params("duo_attention", llama_file), n_sink=2, window=40, slack=4),
+                          n_short=40)
+
+
+def test_commvq_codes_every_block_size_of_a_padded_batch(llama_file):
     """block_size=1 on a padded batch: a padding slot's RoPE position (before its row's first token) was negative
     and the read refused it. Padding slots are coded at 0 (never read); the row equals itself alone."""
     _assert_rows_as_alone("commvq", dict(_params("commvq", llama_file), block_size=1, residual_length=4))
@@ -141,7 +147,7 @@ CHUNKABLE = sorted(set(PARAMS) - {"laq", "kivi", "gear", "zipcache", "commvq", "
 
 @pytest.mark.parametrize("name", CHUNKABLE)
 @pytest.mark.parametrize("question", [0, 8])
-def test_left_padded_row_equals_the_row_alone_in_a_chunked_prefill(name, question, llama_file):  # noqa: F811
+def test_left_padded_row_equals_the_row_alone_in_a_chunked_prefill(name, question, llama_file):
     extra = {"question_tokens": question} if question else {}
     _assert_rows_as_alone(name, _params(name, llama_file), prefill_chunk_size=CHUNK, **extra)
 
@@ -156,7 +162,7 @@ def test_codec_layers_go_flat_only_when_padding_cuts_a_group(pad, flat):
 
 
 @pytest.mark.parametrize("name", ["snapkv+kivi", "kivi"])
-def test_beam_search_on_a_left_padded_batch_equals_each_row_alone(name, llama_file):  # noqa: F811
+def test_beam_search_on_a_left_padded_batch_equals_each_row_alone(name, llama_file):
     """Beams reorder and repeat the cache's rows (flat codec runs included): the padded row's beams give the
     sequence it gives alone."""
     model = tiny_model("llama")

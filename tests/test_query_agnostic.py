@@ -14,19 +14,7 @@ from kvpress import KVPressCache
 from kvpress.policies import KIVI, ExpectedAttention, KeyDiff, KVzip
 from kvpress.policies.kvzip import NO_TEMPLATE_SUFFIX, ReplayPrompt
 
-from conftest import greedy, tiny_model
-
-
-class CharTokenizer:
-    """A tokenizer without a chat template, for tiny random models (vocab 128)."""
-
-    chat_template = None
-
-    def encode(self, text, add_special_tokens=False):
-        return [3 + ord(c) % 120 for c in text]
-
-
-TOK = CharTokenizer()
+from conftest import TOK, greedy, tiny_model
 
 
 def _inputs(seed=0, batch=2, length=70, pad=9):

@@ -18,8 +18,7 @@ from kvpress import KVPressCache
 from kvpress.policies import resolve_policy
 from kvpress.speculative import DRAFTS, speculative_generate
 
-from conftest import greedy, tiny_model
-from test_query_agnostic import TOK
+from conftest import TOK, greedy, tiny_model
 from test_speculative import DRAFT_PARAMS
 
 THREAD_POLICIES = [("snapkv", dict(compression_ratio=0.5)), ("h2o", dict(compression_ratio=0.5)),

@@ -37,7 +37,7 @@ def _run(command):
 def test_tensor_parallel_tokens_equal_one_process(arch, tmp_path):
     from kvpress.calibration import calibrate
     from kvpress.formats.calibration import FILE_NAME
-    from test_calibrated import TOK
+    from conftest import TOK
 
     torch.manual_seed(0)
     model = MODELS[arch]()

@@ -13,8 +13,7 @@ from kvpress import KVPressLayer
 from kvpress.cache.codecs import encode_kivi
 from kvpress.policies import Context, ZipCache
 
-from conftest import greedy, tiny_model
-from test_query_agnostic import TOK
+from conftest import TOK, greedy, tiny_model
 
 B, HQ, HKV, L, D = 2, 4, 2, 96, 16
 G = HQ // HKV

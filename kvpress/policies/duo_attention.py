@@ -73,9 +73,11 @@ class DuoAttention(DecodeEviction):
             return
         valid = layer.key_valid()
         n_valid = valid.sum(-1)
-        if not bool((streaming[None] & (n_valid > self.n_sink + self.window + slack)).any()):
+        # each (row, streaming head) is cut on its own schedule, when it passes its own limit: a padded row in a
+        # batch keeps what it keeps alone, whenever the other rows are cut
+        over = streaming[None] & (n_valid > self.n_sink + self.window + slack)  # [B, Hkv]
+        if not bool(over.any()):
             return
         ones = torch.ones_like(n_valid)
-        kept = valid & (~streaming[None, :, None] | first_slots(layer, ones * self.n_sink)
-                        | last_slots(layer, ones * self.window))
+        kept = valid & (~over[..., None] | first_slots(layer, ones * self.n_sink) | last_slots(layer, ones * self.window))
         layer.keep(*select_kept(kept.float(), valid, kept.sum(-1)))

@@ -28,7 +28,7 @@ from ..integrations.scoped import ScopedPatch, patched_for_call
 from ..integrations.registry import patch_of
 from ..policies import (KIVI, Codec, DoubleSparsity, HiP, LServe, Quant4View, Quest, ReadPolicy, RecycledAttention, Retrieval,
                         ShadowKVView, SinkWindow, TidalDecode, TokenSelect, TopK)
-from ..policies.registry import check_params, resolve_policy
+from ..policies.registry import check_params
 from .sampling import accept, check_sampling, pick_token, sampling_distribution
 
 DRAFTS = {"sink_window": SinkWindow, "retrieval": Retrieval, "quest": Quest, "topk": TopK, "token_select": TokenSelect,
