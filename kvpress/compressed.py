@@ -57,6 +57,9 @@ class Answers:
     batches: int  # generate calls the questions took
     compress_s: float | None = None  # set by kvpress.ask (compress + ask in one call)
     shared_bytes: int = 0  # the model's tables the context's storage reads (CommVQ's codebooks), not in context_bytes
+    # the most a batch's cache held, at the end of its answers: the context once (its rows share it), and each row's
+    # question and answer
+    batch_bytes: int = 0
 
     @property
     def bytes_fraction(self) -> float:
@@ -135,20 +138,22 @@ class CompressedContext:
         stop = stop_ids(self.model, tokenizer)
         pad = tokenizer.pad_token_id if getattr(tokenizer, "pad_token_id", None) is not None else min(stop, default=0)
         step = batch_size or len(ids)
-        if any(not isinstance(layer, KVPressLayer) for layer in self.cache.layers):
-            # a stock sliding-window layer (Gemma-3) windows by slot, so a question's left padding would take places
-            # in its window: such models answer one question at a time, which is what asking alone means
+        if any(not isinstance(layer, KVPressLayer) for layer in self.cache.layers) or \
+                not self.make_policy(tokenizer).batches_questions:
+            # a stock sliding-window layer (Gemma-3) windows by slot, and so do a read view's pages: a question's
+            # left padding would take places in them. These answer one question at a time, what asking alone means
             step = 1
-        tokens, question_s, decode_s, steps, batches = [], 0.0, 0.0, 0, 0
+        tokens, question_s, decode_s, steps, batches, held = [], 0.0, 0.0, 0, 0, 0
         for start in range(0, len(ids), step):
             batches += 1
             batch_tokens, times = self._generate(ids[start:start + step], max_new_tokens, stop, pad, tokenizer)
             tokens += batch_tokens
             question_s, decode_s, steps = question_s + times[0], decode_s + times[1], steps + times[2]
+            held = max(held, times[3])
         answers = [tokenizer.decode(t, skip_special_tokens=True).strip() for t in tokens]
         return Answers(list(questions), answers, tokens, self.context_tokens, self.nbytes(), self.full_cache_nbytes(),
                        self.kept_fraction(), question_s, decode_s, steps, batches,
-                       shared_bytes=self.cache.shared_nbytes())
+                       shared_bytes=self.cache.shared_nbytes(), batch_bytes=held)
 
     @torch.no_grad()
     def _generate(self, questions: list[list[int]], max_new_tokens: int, stop: set, pad: int, tokenizer):
@@ -156,6 +161,7 @@ class CompressedContext:
         ids, mask = left_padded(self.context_ids, questions, pad)
         device = context_file.model_device(model)
         cache = self.cache.fork()
+        cache.share_context()  # the context once for every question (cache/prefix.py), each row its own tokens
         cache.batch_repeat_interleave(len(questions))
         clock = TokenClock()
         with patched_for_call(model, self.make_policy(tokenizer)):
@@ -169,7 +175,7 @@ class CompressedContext:
             cut = next((i for i, t in enumerate(row) if t in stop), len(row))
             tokens.append(row[:cut])
         first = clock.stamps[1] if len(clock.stamps) > 1 else time.perf_counter()
-        return tokens, (first - start, clock.stamps[-1] - first, max(len(clock.stamps) - 2, 0))
+        return tokens, (first - start, clock.stamps[-1] - first, max(len(clock.stamps) - 2, 0), cache.nbytes())
 
     # -- keeping
     def save(self, path) -> Path:

@@ -191,6 +191,17 @@ class KVPressCache(Cache):
             state.token_mask = state.token_mask[:, :-n]
 
     # ------------------------------------------------------------------ copies and rows
+    def share_context(self) -> None:
+        """Make what every kvpress layer holds a context its rows share (prefix.py): batch_repeat_interleave then
+        repeats only the rows' own slots, and reads compute the context's attention once for all rows (Hydragen).
+        Stock sliding-window layers hold a window, not a context: they are repeated as usual."""
+        if self.forward_state.observers or self.capture_reserve is not None:
+            raise ValueError("cache: a cache with a capture reserve, or a forward running on it, cannot share its "
+                             "context; allowed: a cache that holds a context and runs nothing (kvpress.compress's)")
+        for _, layer in self.kvpress_layers():
+            if layer.is_initialized:
+                layer.share_prefix()
+
     def fork(self) -> "KVPressCache":
         """A copy that shares every stored tensor, in O(layers): later updates of either copy never show in the
         other. Compress a context once, then answer several questions on forks of it."""
@@ -279,12 +290,17 @@ class KVPressCache(Cache):
             if isinstance(layer, KVPressLayer):
                 if not layer.is_initialized:
                     continue
-                kept = layer.tokens_per_head()
+                kept, prefix = layer.tokens_per_head(), layer.prefix
+                shared = 0 if prefix is None else prefix.view_width
+                if prefix is not None:  # the shared context's tokens count in every row
+                    kept = kept + prefix.tokens_per_head()
                 rows.append(
-                    dict(layer=i, kind="kvpress", seen=layer.seen, stored=layer.view_width,
+                    dict(layer=i, kind="kvpress", seen=layer.seen, stored=layer.view_width + shared,
                          kept_min=int(kept.min()), kept_max=int(kept.max()),
-                         kv_bytes=layer.kv_nbytes(), bytes=layer.nbytes(),
-                         reserved_slots=0 if layer.room is None else layer.room.capacity - layer.room.filled)
+                         kv_bytes=layer.kv_nbytes() + (0 if prefix is None else prefix.kv_nbytes()),
+                         bytes=layer.nbytes(),
+                         reserved_slots=0 if layer.room is None else layer.room.capacity - layer.room.filled,
+                         shared_slots=shared, copied_on_write=layer.copied_on_write)
                 )
             elif getattr(layer, "is_initialized", False):
                 kv = sum(t.numel() * t.element_size() for t in (layer.keys, layer.values))

@@ -15,7 +15,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from ..kernels.online_softmax import Queries
-from . import append, eviction, flush, rollback, room as rooms, view
+from . import append, eviction, flush, prefix as prefixes, rollback, room as rooms, view
 from . import read as read_path  # (attend's argument is named `read`)
 from .held import shared_in, storage_nbytes, tensors_in
 from .read import Read
@@ -41,14 +41,14 @@ class KVPressLayer(CacheLayerMixin):
     as rows) stay rectangular with fillers, like the padding of the prompt itself.
 
     Policies see one padded view over all segments (key_positions, key_valid, get_state, keys_view), the flat
-    part padded to its longest head with invalid slots; slot j of that view is what keep() takes.
+    part padded to its longest head with invalid slots; slot j of that view is what keep() takes. A `prefix` (a
+    one-row KVPressLayer every row shares: prefix.py) precedes the segments; the view is then the rows' own slots.
       row_budget     [B] tokens each row may keep (per KV head, on average), fixed by the policy at prefill
       decode_start   tokens seen when the prompt ended (generated tokens have positions >= it)
       seen           tokens seen so far (positions of new tokens derive from it, never from the slot count)
       appended       tokens ever appended (never steps back; bounds how far any head's count can have grown)
       last_q_len     tokens appended by the latest update (tells prefill / decode / extend apart)
       policy_stats   per-layer policy statistics, batch-first (e.g. ExpectedAttention's query moments)
-      derived        read-side state derived from the storage (e.g. per-page key statistics); dropped on compaction
     """
 
     is_sliding = False
@@ -69,23 +69,20 @@ class KVPressLayer(CacheLayerMixin):
         self.policy_stats: dict[str, torch.Tensor] = {}  # per-layer policy statistics, batch-first [B, ...]
         self.seen = 0
         self.appended = 0  # tokens ever appended (never steps back, unlike seen): bounds how much a head grew
-        # tokens seen when the layer last changed other than by appending (an eviction, a low-bit flush, policy
-        # state of earlier slots): a rollback (crop) cannot go back before it (rollback.py)
-        self.rollback_floor = 0
+        self.rollback_floor = 0  # seen at the last change other than an append: crop stops there (rollback.py)
         self.last_q_len = 0
-        # [B] padding tokens each row has seen (None: none). Padding only ever comes before a row's first token
-        # (left padding), so a slot's position minus it is the token's index in its own row (token_index).
+        # [B] padding tokens each row has seen (None: none), all before the row's first token (after a shared prefix)
         self.padding: torch.Tensor | None = None
+        self.prefix: KVPressLayer | None = None  # the one-row context every row shares (prefix.py)
+        self.copied_on_write = False  # its rows were given their own copy of a shared prefix (prefix.unshare)
 
-    def reserve(self, n: int) -> None:
-        """Spare room for n more tokens in the tail, so appending them writes in place (a probe's tokens)."""
+    def reserve(self, n: int) -> None:  # spare room for n more tokens in the tail (a probe's: written in place)
         if self.is_initialized:
             tail = self.tail
             self.segments[-1] = dataclasses.replace(tail, data=tail.data.reserve(n))
 
     def checkpoint(self) -> dict:
-        """This layer's state, to put back with restore(). Shares every tensor and keeps the tail's right to append
-        in place: what is appended after the checkpoint is written past the slots the checkpoint covers."""
+        """This layer's state, to put back with restore(), sharing every tensor (appends go past its slots)."""
         return {**self.__dict__, "_segments": list(self._segments), "policy_stats": dict(self.policy_stats),
                 "derived": {}}
 
@@ -94,8 +91,7 @@ class KVPressLayer(CacheLayerMixin):
         self.__dict__.update(state)
 
     def fork(self) -> "KVPressLayer":
-        """A copy that shares every tensor (no copy of the storage): segments are values, and neither copy appends
-        into the tail's buffer in place any more, so the other never sees a write."""
+        """A copy sharing every tensor; neither copy appends into the tail's buffer in place any more."""
         out = object.__new__(type(self))
         out.__dict__.update(self.__dict__)
         self.segments = [s.detach() for s in self.segments]
@@ -190,9 +186,8 @@ class KVPressLayer(CacheLayerMixin):
         self.__init__()
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Roll back the most recent tokens: `crop(-n)` forgets the last n seen, `crop(n)` (n > 0) keeps the
-        first n seen (transformers' legacy meaning); refused (ValueError, nothing changed) where that would not
-        give back the layer as it was (rollback.py)."""
+        """crop(-n) forgets the last n tokens seen, crop(n > 0) keeps the first n; refused (ValueError, nothing
+        changed) where it would not give back the layer as it was (rollback.py)."""
         rollback.crop(self, tokens_to_remove)
 
     def mark_changed(self) -> None:
@@ -220,6 +215,12 @@ class KVPressLayer(CacheLayerMixin):
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         self._map_rows(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def share_prefix(self) -> None:  # (prefix.py)
+        prefixes.share(self)
+
+    def unshare(self) -> None:
+        prefixes.unshare(self)
 
     def offload(self) -> None:
         self.segments, self.room = [s.to("cpu") for s in self.segments], None
@@ -268,15 +269,13 @@ class KVPressLayer(CacheLayerMixin):
     def stock_readable(self) -> bool:
         """A model's own attention can read this layer: one full-precision rectangle whose slot j holds position j
         (nothing evicted, nothing low-bit, no flat runs)."""
-        return not self.explicit_positions and len(self.segments) <= 1 and not (self.segments and self.tail.flat)
+        return not self.explicit_positions and len(self.segments) <= 1 and not (self.segments and self.tail.flat) \
+            and self.prefix is None
 
     def offsets(self) -> list[int]:
         """Each segment's first slot in the padded view."""
-        out, offset = [], 0
-        for s in self.segments:
-            out.append(offset)
-            offset += s.width
-        return out
+        widths = [s.width for s in self.segments]
+        return [sum(widths[:i]) for i in range(len(widths))]
 
     @property
     def batch_heads(self) -> tuple[int, int]:
@@ -289,8 +288,7 @@ class KVPressLayer(CacheLayerMixin):
 
     # ------------------------------------------------------------------ the padded view and per-slot state (view.py)
     def key_positions(self, start: int = 0) -> torch.Tensor:
-        """int32 [B, Hkv, T]: original position of every slot of the padded view (fillers sit at 0); from slot
-        `start` (a segment boundary: 0 or tail_start()) on."""
+        """int32 [B, Hkv, T]: original position of every slot of the padded view (fillers at 0), from slot `start`."""
         return view.key_positions(self, start)
 
     def key_valid(self, start: int = 0) -> torch.Tensor:
@@ -336,9 +334,8 @@ class KVPressLayer(CacheLayerMixin):
 
     # ------------------------------------------------------------------ eviction (eviction.py)
     def keep(self, indices: torch.Tensor, keep_valid: torch.Tensor | None = None) -> None:
-        """Evict: compact storage to `indices` [B, Hkv, T'] (slots of the padded view to keep, per row and KV head).
-        `keep_valid` [B, Hkv, T'] flags slots kept only to make rows rectangular; they become invalid. Frees the
-        rest. A rollback cannot go back before it."""
+        """Evict: compact storage to `indices` [B, Hkv, T'] (view slots to keep per row and KV head; `keep_valid`
+        False marks fillers kept to stay rectangular). Frees the rest; a rollback cannot go back before it."""
         self.compact(indices, keep_valid)
         self.mark_changed()
 
@@ -385,6 +382,7 @@ class KVPressLayer(CacheLayerMixin):
         from the storage, a capture room (reserved slots included). nbytes() counts their distinct allocations."""
         held = [t for s in self._segments for t in s.tensors()] + list(self.policy_stats.values())
         held += [t for t in (self.padding, self.row_budget) if t is not None] + tensors_in(self.derived)
+        held += self.prefix.held_tensors() if self.prefix is not None else []  # (one copy, whatever the rows)
         return held + (self.room.tensors() if self.room is not None else [])
 
     def nbytes(self) -> int:
@@ -393,7 +391,8 @@ class KVPressLayer(CacheLayerMixin):
     def shared_tensors(self) -> list[torch.Tensor]:
         """Tables this layer reads that the model owns (CommVQ's codebooks, a calibration's channels): reported apart
         from nbytes(), once for every cache of the model (KVPressCache.shared_nbytes)."""
-        return [t for s in self._segments for t in s.data.shared_tensors()] + shared_in(self.derived)
+        shared = [t for s in self._segments for t in s.data.shared_tensors()] + shared_in(self.derived)
+        return shared + (self.prefix.shared_tensors() if self.prefix is not None else [])
 
     def kv_nbytes(self) -> int:
         """Bytes held by keys and values (or their codes) alone."""

@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from ..kernels.online_softmax import Queries, dense_attention_state, empty_state, finish
+from ..kernels.online_softmax import Queries, dense_attention_state, empty_state, finish, merge_states
 from ..kernels.quant_attention import flat_lowbit_attention_state, lowbit_attention_state
 from ..kernels.sparse_attention import GATHER_SLOTS, flat_attention_state, run_grid, sparse_attention
 from ..kernels.vq_read import vq_attention_state
@@ -20,6 +20,7 @@ from .segments import CODES, DENSE, FLAT, FLAT_CODES
 from .shadow import SHADOW
 from .sketch import SKETCH
 from .vq import VQ
+from .prefix import prefix_state
 from .view import view_part
 
 MASK_ROWS = 256  # query rows per block when dense attention needs a mask built from stored positions
@@ -133,8 +134,17 @@ READERS = {
 # ---------------------------------------------------------------------------- the layer's read path
 def attention(layer, queries: Queries, precision: int | None = None, use_triton: bool | None = None,
               state=None) -> torch.Tensor:
-    """Attention of `queries` over every stored slot, [B, Hq, r, D]: each segment through the kernel for its
-    kind, folded into one online softmax."""
+    """Attention of `queries` over every stored slot, [B, Hq, r, D]: a shared prefix once for every row
+    (prefix.py), then each segment through the kernel for its kind, all folded into one online softmax."""
+    if layer.prefix is not None:
+        shared = prefix_state(layer.prefix, queries, lambda prefix, q: attention_state(prefix, q, precision, use_triton))
+        state = shared if state is None else merge_states(state, shared)
+    return finish(attention_state(layer, queries, precision, use_triton, state), queries)
+
+
+def attention_state(layer, queries: Queries, precision: int | None = None, use_triton: bool | None = None,
+                    state=None):
+    """The online-softmax state of `queries` over the layer's own segments (from `state`, if given)."""
     batch, heads = layer.batch_heads
     tail = layer.tail
     first, after = layer.segments[0], list(zip(layer.segments, layer.offsets()))[1:]
@@ -144,9 +154,8 @@ def attention(layer, queries: Queries, precision: int | None = None, use_triton:
         # flat codes (a padded batch under KIVI / GEAR) and the full-precision window behind them (a flush
         # leaves it one rectangle, read in place; flat runs left by an eviction are gathered into one small
         # rectangle with it): one kernel call
-        state = flat_lowbit_attention_state(queries, first.data, first.positions, first.lengths, state,
-                                            precision, tail=_rectangle(layer, after))
-        return finish(state, queries)
+        return flat_lowbit_attention_state(queries, first.data, first.positions, first.lengths, state,
+                                           precision, tail=_rectangle(layer, after))
     # a rectangular full-precision tail (the newest tokens) is read in the same call as the segment before it
     # when that kind's reader takes one (flat full-precision runs, rectangular codes)
     before = layer.segments[-2] if len(layer.segments) > 1 else None
@@ -160,7 +169,7 @@ def attention(layer, queries: Queries, precision: int | None = None, use_triton:
             continue
         state = READERS[segment.kind].attention_state(layer, segment, offset, queries, state, precision, use_triton,
                                                       rect if segment is before else None)
-    return finish(empty_state(queries.grouped(layer.num_kv_heads)) if state is None else state, queries)
+    return empty_state(queries.grouped(layer.num_kv_heads)) if state is None else state
 
 
 def _rectangle(layer, segments) -> tuple | None:
@@ -182,7 +191,7 @@ def attend(layer, read: Read, base) -> tuple[torch.Tensor, torch.Tensor | None]:
     [B, Hq, q, T] mask."""
     queries = read.queries
     if (read.probabilities and read.select is None and read.prior is None and len(layer.segments) == 1
-            and not layer.tail.flat):
+            and not layer.tail.flat and layer.prefix is None):
         return _attend_with_probs(layer, queries, layer.tail.data.keys if read.keys is None else read.keys)
     return _attend(layer, read, base), None
 
@@ -215,7 +224,7 @@ def _attend(layer, read: Read, base) -> torch.Tensor:
         keys = layer.keys_view() if read.keys is None else read.keys
         out = sparse_attention(queries, keys, layer.values_view(), layer.key_positions(), read.select())
         return out.transpose(1, 2).contiguous()
-    if len(layer.segments) > 1 or layer.tail.flat or read.prior is not None:
+    if len(layer.segments) > 1 or layer.tail.flat or read.prior is not None or layer.prefix is not None:
         # low-bit codes, flat runs or a policy's summary state: each segment through its own kernel, one softmax.
         # Long queries (a chunk of a chunked prefill, a model-level probe's replay) run in row blocks: the kernels
         # write out rows x slots logits, which for 2K rows over 4K slots would be hundreds of MB.

@@ -32,6 +32,9 @@ def to_tensors(cache: KVPressCache) -> tuple[dict[str, torch.Tensor], dict]:
     """(named tensors, metadata) of every layer. Shared or strided tensors are stored as contiguous copies."""
     if cache.forward_state.observers:
         raise ValueError("cache: a forward is running on it (observation tokens held); save it after the forward")
+    if any(layer.prefix is not None for _, layer in cache.kvpress_layers()):
+        raise ValueError("cache: its rows share a context (share_context); allowed: the context's own cache, saved "
+                         "before its rows are made (CompressedContext.save)")
     kinds = {type(s.data) for _, layer in cache.kvpress_layers() if layer.is_initialized for s in layer.segments}
     if kinds - set(_PAYLOAD_NAMES):  # (ShadowKV's file tier and rotary are not tensors a safetensors file holds)
         names = sorted(k.__name__ for k in kinds - set(_PAYLOAD_NAMES))

@@ -43,6 +43,8 @@ def kvpress_attention(module, query, key, value, attention_mask, **kwargs):
     layer = cache.layers[module.layer_idx] if isinstance(cache, KVPressCache) else None
     if not isinstance(layer, KVPressLayer):  # no cache, a stock cache, or a stock (sliding) layer
         return patch.attention.plain(module, query, key, value, attention_mask, **kwargs)
+    if layer.prefix is not None and (cache.read_policy is not None or patch.policy.reads_whole_cache):
+        layer.unshare()  # a step over a shared context that reads or changes the whole view: each row its own copy
 
     # Every chunk of a chunked prefill is a prefill step: the policy compresses after each one. A probe (extra
     # tokens a model-level hook runs over the cache) reads everything and changes nothing.

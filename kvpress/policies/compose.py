@@ -49,6 +49,14 @@ class Composed(Policy):
                     f"recomputed with sizes that change")
         return self.evictor.capture_refusal or self.codec.capture_refusal
 
+    @property
+    def batches_questions(self) -> bool:
+        return self.evictor.batches_questions and self.codec.batches_questions
+
+    @property
+    def reads_whole_cache(self) -> bool:
+        return self.evictor.reads_whole_cache or self.codec.reads_whole_cache
+
     def prior_state(self, ctx: Context):
         return self.evictor.prior_state(ctx)
 

@@ -150,6 +150,20 @@ class Policy(HyperParameters):
         changes decode steps (roles.py) says whether it can."""
         return None if self.observe_captures else "observes each step with shapes that change"
 
+    @property
+    def batches_questions(self) -> bool:
+        """Whether several questions over one context can run as one batch, each left-padded after the context
+        (kvpress.ask), and each row still read as its question alone: the padding then sits inside a row's slots.
+        A read view that counts pages by slot says False (its pages would shift); ask runs it one question at a time."""
+        return True
+
+    @property
+    def reads_whole_cache(self) -> bool:
+        """Whether a decode (or extend) step of this policy reads or changes the whole view of a layer, beyond
+        appending its tokens: over a context the rows share (cache/prefix.py) each row then gets its own copy first.
+        A codec, which stores only the rows' own tokens, says False."""
+        return self.decode_change is not None or self.rewrites_keys
+
     def appends_before_change(self, layer) -> int | None:
         """Tokens `layer` can still append before a decode step of this policy changes it (None: never)."""
         return None

@@ -34,6 +34,10 @@ from .protocol import Policy
 class Codec(Policy):
     """A storage codec: keeps every token, and moves old ones into low-bit codes."""
 
+    @property
+    def reads_whole_cache(self) -> bool:
+        return False  # it stores the newest tokens as codes: over a shared context, the rows' own
+
     def store(self, layer, layer_idx: int) -> None:
         """Move what the codec's full-precision window no longer covers in `layer` (the model's attention layer
         `layer_idx`) into low-bit codes (what a composition calls on the layers its evictor has cut)."""
@@ -59,6 +63,10 @@ class ReadView(Policy):
     @property
     def decode_change(self) -> str:
         return "reads a selection of the cache at every decode step"
+
+    @property
+    def batches_questions(self) -> bool:
+        return False  # its pages, chunks or windows count a row's slots, which a question's padding would shift
 
     @property
     def capture_refusal(self) -> str | None:
