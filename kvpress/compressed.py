@@ -108,7 +108,7 @@ class CompressedContext:
         kept = seen = 0
         for _, layer in self.cache.kvpress_layers():
             if layer.is_initialized:
-                counts = layer.tokens_per_head()
+                counts = layer.tokens_per_head() + (0 if layer.prefix is None else layer.prefix.tokens_per_head())
                 kept += int(counts.sum())
                 seen += layer.seen * counts.numel()
         return kept / seen if seen else 1.0

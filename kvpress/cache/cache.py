@@ -12,6 +12,7 @@ from . import room as rooms
 from .forward import ForwardState
 from .held import storage_nbytes
 from .layer import KVPressLayer
+from .rewrite import rewrite
 from .rollback import crop_refusal
 from .rows import stack_rows
 
@@ -123,6 +124,9 @@ class KVPressCache(Cache):
             while len(self.layers) <= layer_idx:
                 self.layers.append(self.layer_class_to_replicate())
         layer = self.layers[layer_idx]
+        if isinstance(layer, KVPressLayer) and self.forward_state.recompute is not None:
+            rewrite(layer, self.forward_state.recompute, key_states, value_states)  # (nothing is appended)
+            return key_states, value_states
         if isinstance(layer, KVPressLayer):
             if not self.patched_forwards and not layer.stock_readable:
                 # the model's own attention would read these slots as positions 0..n-1 of plain keys: wrong tokens
@@ -199,8 +203,8 @@ class KVPressCache(Cache):
             raise ValueError("cache: a cache with a capture reserve, or a forward running on it, cannot share its "
                              "context; allowed: a cache that holds a context and runs nothing (kvpress.compress's)")
         for _, layer in self.kvpress_layers():
-            if layer.is_initialized:
-                layer.share_prefix()
+            if layer.is_initialized and not (layer.prefix is not None and layer.view_width == 0):
+                layer.share_prefix()  # (a layer that already holds only its shared context stays as it is)
 
     def fork(self) -> "KVPressCache":
         """A copy that shares every stored tensor, in O(layers): later updates of either copy never show in the
@@ -291,7 +295,7 @@ class KVPressCache(Cache):
                 if not layer.is_initialized:
                     continue
                 kept, prefix = layer.tokens_per_head(), layer.prefix
-                shared = 0 if prefix is None else prefix.view_width
+                shared = 0 if prefix is None else prefix.width
                 if prefix is not None:  # the shared context's tokens count in every row
                     kept = kept + prefix.tokens_per_head()
                 rows.append(

@@ -28,6 +28,10 @@ class ForwardState:
     # while a model-level hook probes the cache (the patch's probe): called with each kvpress layer's Context after
     # attention, instead of the policy's hooks; None otherwise
     probe: Callable | None = None
+    # while a forward computes stored tokens again (CacheBlend's recompute, kvpress/combine.py): their positions [n],
+    # increasing; each kvpress layer rewrites those tokens' slots (rewrite.py) instead of appending, and attention
+    # reads every stored slot up to each token's position; None otherwise
+    recompute: torch.Tensor | None = None
     # the forward in flight ends with this many observation tokens (dropped after it: KVPressCache.forget_observers)
     observers: int = 0
     # stock sliding layers recording their past meanwhile, so they can give those tokens back

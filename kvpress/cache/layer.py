@@ -73,7 +73,7 @@ class KVPressLayer(CacheLayerMixin):
         self.last_q_len = 0
         # [B] padding tokens each row has seen (None: none), all before the row's first token (after a shared prefix)
         self.padding: torch.Tensor | None = None
-        self.prefix: KVPressLayer | None = None  # the one-row context every row shares (prefix.py)
+        self.prefix = None  # the context every row shares, held once (prefix.py: SharedPrefix, ParallelPrefix)
         self.copied_on_write = False  # its rows were given their own copy of a shared prefix (prefix.unshare)
 
     def reserve(self, n: int) -> None:  # spare room for n more tokens in the tail (a probe's: written in place)

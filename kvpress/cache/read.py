@@ -20,7 +20,6 @@ from .segments import CODES, DENSE, FLAT, FLAT_CODES
 from .shadow import SHADOW
 from .sketch import SKETCH
 from .vq import VQ
-from .prefix import prefix_state
 from .view import view_part
 
 MASK_ROWS = 256  # query rows per block when dense attention needs a mask built from stored positions
@@ -137,7 +136,7 @@ def attention(layer, queries: Queries, precision: int | None = None, use_triton:
     """Attention of `queries` over every stored slot, [B, Hq, r, D]: a shared prefix once for every row
     (prefix.py), then each segment through the kernel for its kind, all folded into one online softmax."""
     if layer.prefix is not None:
-        shared = prefix_state(layer.prefix, queries, lambda prefix, q: attention_state(prefix, q, precision, use_triton))
+        shared = layer.prefix.state(queries, lambda part, q: attention_state(part, q, precision, use_triton))
         state = shared if state is None else merge_states(state, shared)
     return finish(attention_state(layer, queries, precision, use_triton, state), queries)
 

@@ -54,6 +54,8 @@ def kvpress_attention(module, query, key, value, attention_mask, **kwargs):
         phase = "decode" if query.shape[2] == 1 else "extend"
     elif state.probe is not None:
         phase = "probe"
+    elif state.recompute is not None:  # stored tokens computed again: their slots rewritten, nothing appended
+        phase = "recompute"
     elif layer.seen == layer.last_q_len or prompt_tokens is not None:  # nothing before this forward's tokens
         phase = "prefill"
     else:
@@ -70,10 +72,11 @@ def kvpress_attention(module, query, key, value, attention_mask, **kwargs):
     policy = patch.policy
     # A read view: the cache's draft view during self-speculation, else a read policy after prefill.
     view = cache.read_policy
-    if view is None and isinstance(policy, ReadView) and phase not in ("prefill", "probe"):
+    if view is None and isinstance(policy, ReadView) and phase not in ("prefill", "probe", "recompute"):
         view = policy
+    positions = state.recompute.to(query.device) if phase == "recompute" else ctx.query_positions()
     read = Read(
-        Queries(query, ctx.query_positions(), ctx.scaling, ctx.softcap, ctx.sliding_window),
+        Queries(query, positions, ctx.scaling, ctx.softcap, ctx.sliding_window),
         keys=policy.key_view(ctx) if policy.rewrites_keys else None,
         select=(lambda: Selection(*_selection(view, ctx))) if isinstance(view, ReadView) else None,
         precision=None if view is None else view.read_precision,
@@ -90,7 +93,9 @@ def kvpress_attention(module, query, key, value, attention_mask, **kwargs):
     # Attention above used the full, uncompressed view (prefill is exact); now the policy may evict. What it keeps
     # (scores, statistics, codes) must hold no autograd history, whether or not the caller runs under no_grad.
     with torch.no_grad():
-        if phase == "probe":
+        if phase == "recompute":
+            pass  # the tokens' slots were rewritten (cache.update); the policy's hooks see nothing new
+        elif phase == "probe":
             state.probe(ctx)
         elif layer.captured:
             # what a policy observes runs in the graph (in place); its decode hook, which may restructure the layer
