@@ -12,14 +12,16 @@ context.
                        instruction and its own tokens (cache/prefix.py: ParallelPrefix). temperature=1, scale=1 is
                        plain attention over the separately encoded documents.
   method="cacheblend"  CacheBlend (Yao et al., EuroSys 2025): the documents one after another, keys re-rotated to
-                       their new positions (positions.py); then the first attention layer of every document token is
-                       computed again over the joined context, the `recompute` fraction of tokens whose values moved
-                       most there is selected, and those tokens are computed again through every layer, their keys and
-                       values rewritten in place (cache/rewrite.py). recompute=1 is the concatenation's prefill.
+                       their new positions (positions.py); then every document token goes through the first layer
+                       again over the joined context, the `recompute` fraction whose second-layer values move most
+                       from that is selected (a first layer's keys and values depend on the token alone), and those
+                       tokens are computed again through every layer, their keys and values rewritten in place
+                       (cache/rewrite.py). recompute=1 is the concatenation's prefill.
 
-Differences from the papers, named: CacheBlend selects its tokens once, at the first layer (the paper narrows the
+Differences from the papers, named: CacheBlend selects its tokens once, at the second layer (the paper narrows the
 selection layer by layer, "gradual filtering"); it recomputes full-precision contexts only (codes would have to be
-re-encoded). APE's temperature and scale default to 1 (the paper tunes them per task).
+re-encoded), and a recomputed token attends to the tokens the documents' policy kept, not to all of them. APE's
+temperature and scale default to 1 (the paper tunes them per task).
 """
 
 from __future__ import annotations
@@ -159,31 +161,34 @@ def _concatenated(contexts, shared: int):
 
 
 def _recompute(combined: CompressedContext, shared: int, fraction: float) -> None:
-    """CacheBlend's selective recompute, in place: the first attention layer for every document token, then the
-    `fraction` whose values moved most there, through every layer."""
+    """CacheBlend's selective recompute, in place: every document token through the first layer, and its second
+    layer's keys and values from that (the first place where the other documents reach a token: a first layer's
+    keys and values depend on the token alone); then the `fraction` whose second-layer values moved most, through
+    every layer."""
     model, cache = combined.model, combined.cache
     positions = sorted({int(p) for _, layer in cache.kvpress_layers()
                         for p in layer.key_positions()[layer.key_valid()].tolist() if p >= shared})
-    if not positions:
+    layers = cache.kvpress_layers()
+    if not positions or len(layers) < 2:
         return
-    first_index, first = cache.kvpress_layers()[0]
-    before = _values_by_position(first, positions)
-    first_module = attention_modules_of(model)[0]
+    second = layers[1][1]
+    before = _values_by_position(second, positions)
+    module = {m.layer_idx: m for m in attention_modules_of(model)}[layers[1][0]]
 
-    class _FirstLayerDone(Exception):
+    class _SecondLayerDone(Exception):
         pass
 
     def stop(module, args, output):
-        raise _FirstLayerDone
+        raise _SecondLayerDone
 
-    handle = first_module.register_forward_hook(stop)
+    handle = module.register_forward_hook(stop)
     try:
         _forward(model, cache, combined.context_ids, positions, combined.make_policy())
-    except _FirstLayerDone:
+    except _SecondLayerDone:
         pass
     finally:
         handle.remove()
-    moved = (_values_by_position(first, positions) - before).norm(dim=-1).sum(0)  # [n] over KV heads
+    moved = (_values_by_position(second, positions) - before).norm(dim=-1).sum(0)  # [n] over KV heads
     count = max(1, round(fraction * len(positions)))
     chosen = sorted(positions[i] for i in moved.topk(count).indices.tolist())
     _forward(model, cache, combined.context_ids, chosen, combined.make_policy())
