@@ -24,7 +24,7 @@ import torch
 import kvpress
 from kvpress.compressed import TokenClock
 from kvpress.models import load
-from kvpress.needle import haystack_sentences
+from kvpress.needle import filler
 from kvpress.questions import left_padded, stop_ids
 
 QUESTIONS = ["Who founded the cooperative?", "What is the mascot called?", "When was the chair elected?",
@@ -35,13 +35,7 @@ QUESTIONS = ["Who founded the cooperative?", "What is the mascot called?", "When
 def document(tokenizer, n_tokens: int) -> str:
     facts = ("The Blue River Cooperative was founded in 1987 by twelve farmers in Millbrook. Its mascot is a heron "
              "named Pip. Its chair, Ana Duarte, was elected in 2021.")
-    out, used = [facts], len(tokenizer.encode(facts))
-    for sentence in haystack_sentences(seed=3):
-        used += len(tokenizer.encode(" " + sentence, add_special_tokens=False))
-        if used > n_tokens:
-            break
-        out.append(sentence)
-    return " ".join(out)
+    return " ".join([facts, *filler(tokenizer, n_tokens - len(tokenizer.encode(facts)), seed=3)])
 
 
 def replicated(compressed, tokenizer, questions, max_new_tokens):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from kvpress.needle import haystack_sentences
+from kvpress.needle import filler
 
 from .metrics import string_match_all
 
@@ -35,12 +35,7 @@ class Sample:
 
 def _document(tokenizer, n_tokens: int, seed: int, facts: list[str]) -> str:
     """Filler sentences up to about `n_tokens` tokens, with `facts` at evenly spread places."""
-    sentences, used = [], 0
-    for sentence in haystack_sentences(seed):
-        used += len(tokenizer.encode(" " + sentence, add_special_tokens=False))
-        if used > n_tokens:
-            break
-        sentences.append(sentence)
+    sentences = filler(tokenizer, n_tokens, seed)
     for i, fact in enumerate(facts):
         sentences.insert(round((i + 1) * len(sentences) / (len(facts) + 1)), fact)
     return " ".join(sentences)

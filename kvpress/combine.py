@@ -16,7 +16,7 @@ context.
                        again over the joined context, the `recompute` fraction whose second-layer values move most
                        from that is selected (a first layer's keys and values depend on the token alone), and those
                        tokens are computed again through every layer, their keys and values rewritten in place
-                       (cache/rewrite.py). recompute=1 is the concatenation's prefill.
+                       (cache/overwrite.py). recompute=1 is the concatenation's prefill.
 
 Differences from the papers, named: CacheBlend selects its tokens once, at the second layer (the paper narrows the
 selection layer by layer, "gradual filtering"); it recomputes full-precision contexts only (codes would have to be
@@ -156,6 +156,8 @@ def _concatenated(contexts, shared: int):
         layer.segments = [runs, empty_tail(runs, layer.device)]
         layer.seen = layer.appended = layer.decode_start = layer.rollback_floor = shared + sum(lengths)
         layer.explicit_positions, layer.sorted, layer.derived, layer.room = True, True, {}, None
+        if bool((runs.lengths == runs.lengths.flatten()[0]).all()):
+            layer.to_rectangular()  # every head holds the same tokens: one rectangle (no filler), read by sdpa
     ids = torch.cat([contexts[0].context_ids[:, :shared], *(c.context_ids[:, shared:] for c in contexts)], 1)
     return cache, ids
 

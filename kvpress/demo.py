@@ -18,7 +18,7 @@ import torch
 
 import kvpress
 from kvpress.models import context_of, load
-from kvpress.needle import haystack_sentences
+from kvpress.needle import filler
 
 FACTS = [  # (sentence, question, what a correct answer contains)
     ("The passcode of the blue door is 48213.", "What is the passcode of the blue door?", "48213"),
@@ -33,12 +33,7 @@ BEST = dict(policy="kvzap+kivi", compression_ratio=0.5, bits=4, residual_length=
 
 def document(tokenizer, n_tokens: int, seed: int = 1) -> str:
     """Filler sentences up to about `n_tokens` tokens, with the facts inserted at DEPTHS."""
-    sentences, used = [], 0
-    for sentence in haystack_sentences(seed):
-        used += len(tokenizer.encode(" " + sentence, add_special_tokens=False))
-        if used > n_tokens:
-            break
-        sentences.append(sentence)
+    sentences = filler(tokenizer, n_tokens, seed)
     for depth, (fact, _, _) in sorted(zip(DEPTHS, FACTS), reverse=True):
         sentences.insert(round(depth * len(sentences)), fact)
     return " ".join(sentences)

@@ -33,6 +33,16 @@ def haystack_sentences(seed: int):
         yield f"{rng.choice(_SUBJECTS)} {rng.choice(_VERBS)} {rng.choice(_OBJECTS)} {rng.choice(_TAILS)}"
 
 
+def filler(tokenizer, n_tokens: int, seed: int) -> list[str]:
+    """Haystack sentences adding up to about `n_tokens` of the tokenizer's tokens (each counted with its space)."""
+    sentences, used = [], 0
+    for sentence in haystack_sentences(seed):
+        used += len(tokenizer.encode(" " + sentence, add_special_tokens=False))
+        if used > n_tokens:
+            return sentences
+        sentences.append(sentence)
+
+
 def needle_prompt(tokenizer, n_tokens: int, depth: float = 0.5, seed: int = 0) -> NeedlePrompt:
     """A chat prompt of about `n_tokens` tokens: filler text with one needle sentence at `depth` (0 = start,
     1 = end of the document), then the question last (as query-aware compression expects)."""

@@ -25,7 +25,7 @@ def compressed_context(kind, calibration, arch="llama"):
     return kvpress.compress(tiny_model(arch), TOK, CONTEXT, policy, **params)
 
 
-def rows_of(compressed, questions=QUESTIONS, shared=True):
+def rows_of(compressed, questions=QUESTIONS, shared=True, tokenizer=TOK, pad=0):
     """A fork of the context for one row per question: shared (the context once), or copied into every row."""
     cache = compressed.fork()
     cache.share_context()
@@ -33,8 +33,8 @@ def rows_of(compressed, questions=QUESTIONS, shared=True):
     if not shared:
         for _, layer in cache.kvpress_layers():
             layer.unshare()
-    ids, mask = left_padded(compressed.context_ids, [compressed.question_format.ids(TOK, q) for q in questions], 0)
-    return cache, ids, mask
+    ids = [compressed.question_format.ids(tokenizer, q) for q in questions]
+    return (cache, *left_padded(compressed.context_ids, ids, pad))
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
@@ -127,16 +127,9 @@ def test_smollm2_shared_and_replicated_contexts_give_the_same_tokens(smollm2):
     model, tokenizer = smollm2
     compressed = kvpress.compress(model, tokenizer, CONTEXT * 10, "kvzap", compression_ratio=0.75)
     questions = ["Who founded the cooperative?", "What is the mascot called?", "When was it founded?", "Who?"]
-    ids = [compressed.question_format.ids(tokenizer, q) for q in questions]
-    x, mask = left_padded(compressed.context_ids, ids, tokenizer.pad_token_id or 0)
     out = {}
     for shared in (True, False):
-        cache = compressed.fork()
-        cache.share_context()
-        cache.batch_repeat_interleave(len(ids))
-        if not shared:
-            for _, layer in cache.kvpress_layers():
-                layer.unshare()
+        cache, x, mask = rows_of(compressed, questions, shared, tokenizer, tokenizer.pad_token_id or 0)
         with patched_for_call(model, compressed.make_policy(tokenizer)), torch.no_grad():
             out[shared] = model.generate(x, attention_mask=mask, cache=cache, max_new_tokens=16, min_new_tokens=16,
                                          do_sample=False, pad_token_id=tokenizer.pad_token_id or 0)

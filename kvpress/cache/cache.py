@@ -12,7 +12,7 @@ from . import room as rooms
 from .forward import ForwardState
 from .held import storage_nbytes
 from .layer import KVPressLayer
-from .rewrite import rewrite
+from .overwrite import overwrite
 from .rollback import crop_refusal
 from .rows import stack_rows
 
@@ -125,7 +125,7 @@ class KVPressCache(Cache):
                 self.layers.append(self.layer_class_to_replicate())
         layer = self.layers[layer_idx]
         if isinstance(layer, KVPressLayer) and self.forward_state.recompute is not None:
-            rewrite(layer, self.forward_state.recompute, key_states, value_states)  # (nothing is appended)
+            overwrite(layer, self.forward_state.recompute, key_states, value_states)  # (nothing is appended)
             return key_states, value_states
         if isinstance(layer, KVPressLayer):
             if not self.patched_forwards and not layer.stock_readable:

@@ -29,7 +29,7 @@ class ForwardState:
     # attention, instead of the policy's hooks; None otherwise
     probe: Callable | None = None
     # while a forward computes stored tokens again (CacheBlend's recompute, kvpress/combine.py): their positions [n],
-    # increasing; each kvpress layer rewrites those tokens' slots (rewrite.py) instead of appending, and attention
+    # increasing; each kvpress layer overwrites those tokens' slots (overwrite.py) instead of appending, and attention
     # reads every stored slot up to each token's position; None otherwise
     recompute: torch.Tensor | None = None
     # the forward in flight ends with this many observation tokens (dropped after it: KVPressCache.forget_observers)

@@ -1,8 +1,8 @@
-"""Rewriting stored tokens in place: the keys and values of tokens a forward computes again (CacheBlend's recompute,
-kvpress/combine.py), written over the slots that hold those tokens, nothing appended.
+"""Overwriting stored tokens in place: the keys and values of tokens a forward computes again (CacheBlend's
+recompute, kvpress/combine.py), written over the slots that hold those tokens, nothing appended.
 
 A forward whose ForwardState carries `recompute` positions [n] hands each kvpress layer the tokens at those
-positions (input ids at their original RoPE positions); `rewrite` finds, in every full-precision segment, the slots
+positions (input ids at their original RoPE positions); `overwrite` finds, in every full-precision segment, the slots
 whose position is one of them and overwrites their keys and values. A head that did not keep a token keeps not
 having it. Low-bit codes are not rewritten (a recompute would have to re-encode them): refused.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 
-def rewrite(layer, positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+def overwrite(layer, positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
     """Overwrite the stored keys/values of the tokens at `positions` [n] (increasing) with keys/values
     [B, Hkv, n, D] of this forward, in place."""
     if any(s.low_bit for s in layer.segments):
