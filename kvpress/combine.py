@@ -126,7 +126,7 @@ def _parallel(contexts, shared: int, temperature: float, scale: float):
         instruction = _part(layer, lambda p: p < shared)
         documents = tuple(d for d in (_part(c.cache.layers[i], lambda p: p >= shared) for c in contexts) if d)
         layer.seen = layer.appended = layer.decode_start = seen
-        start_own(layer, ParallelPrefix(instruction, documents, float(temperature), float(scale)))
+        start_own(layer, ParallelPrefix(instruction, documents, shared, float(temperature), float(scale)))
     longest = max(contexts, key=lambda c: c.context_tokens)
     # (the questions follow the longest document: the context holds that many positions)
     return cache, longest.context_ids.clone()

@@ -99,7 +99,8 @@ class CompressedContext:
             if isinstance(layer, KVPressLayer) and layer.is_initialized:
                 keys, values = layer.tail.data.keys, layer.tail.data.values
                 per_head = keys.shape[-1] * keys.element_size() + values.shape[-1] * values.element_size()
-                total += layer.seen * keys.shape[0] * keys.shape[1] * per_head  # tokens x rows x KV heads
+                tokens = layer.seen if layer.prefix is None else layer.prefix.full_tokens + layer.seen - layer.prefix.seen
+                total += tokens * keys.shape[0] * keys.shape[1] * per_head  # tokens x rows x KV heads
             elif getattr(layer, "is_initialized", False):
                 total += sum(t.numel() * t.element_size() for t in (layer.keys, layer.values))
         return total

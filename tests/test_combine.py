@@ -99,7 +99,7 @@ def test_ape_s_tempered_read_is_its_three_way_log_sum_exp_mix():
 
     instruction, docs = layer(5, 0), (layer(7, 5), layer(4, 5))  # the documents at the same positions
     own = layer(3, 12)
-    prefix = ParallelPrefix(instruction, docs, T, S)
+    prefix = ParallelPrefix(instruction, docs, 5, T, S)
     q = torch.randn(1, heads * 2, 1, dim)
     queries = Queries(q, torch.tensor([15]), dim ** -0.5)
     state = prefix.state(queries, attention_state)
@@ -177,6 +177,7 @@ def test_the_rows_of_a_combined_context_share_it():
     batched = combined.ask(TOK, questions, max_new_tokens=6)
     assert batched.token_ids == [combined.ask(TOK, q, max_new_tokens=6).token_ids[0] for q in questions]
     assert batched.context_bytes == combined.nbytes() <= sum(c.nbytes() for c in contexts)
+    assert combined.full_cache_nbytes() == sum(c.full_cache_nbytes() for c in contexts)  # (no shared prefix here)
 
 
 @pytest.mark.parametrize("case,match", [

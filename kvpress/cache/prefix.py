@@ -84,6 +84,15 @@ class SharedPrefix:
     def width(self) -> int:
         return self.layer.view_width
 
+    @property
+    def seen(self) -> int:
+        return self.layer.seen
+
+    @property
+    def full_tokens(self) -> int:
+        """Tokens the prefix would hold uncompressed."""
+        return self.layer.seen
+
     def tokens_per_head(self) -> torch.Tensor:
         return self.layer.tokens_per_head()
 
@@ -129,6 +138,7 @@ class ParallelPrefix:
 
     instruction: object | None  # a one-row KVPressLayer, or None (no shared prefix)
     documents: tuple  # one-row KVPressLayers
+    shared: int  # the instruction's tokens (every document's positions start after them)
     temperature: float = 1.0
     scale: float = 1.0
 
@@ -154,6 +164,15 @@ class ParallelPrefix:
     @property
     def width(self) -> int:
         return sum(p.view_width for p in self.parts)
+
+    @property
+    def seen(self) -> int:  # positions the prefix spans: the questions follow the longest document
+        return max(d.seen for d in self.documents)
+
+    @property
+    def full_tokens(self) -> int:
+        """Tokens the instruction and every document would hold uncompressed (their positions overlap)."""
+        return self.shared + sum(d.seen - self.shared for d in self.documents)
 
     def tokens_per_head(self) -> torch.Tensor:
         return sum(p.tokens_per_head() for p in self.parts)
