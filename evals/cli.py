@@ -31,12 +31,14 @@ import sys
 import time
 from pathlib import Path
 
+from kvpress.cli import ShowDefaults
+
 from .plan import SUITES, Plan, check_outputs, make_plan, make_sample, row_key, work_items
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvpress-eval", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=ShowDefaults)
     p.add_argument("--model", required=True, help="an HF checkpoint folder, or a kvpress model name (smollm2, gemma3)")
     p.add_argument("--task", required=True, help=f"one of {', '.join(SUITES)}")
     p.add_argument("--subtasks", default=None,

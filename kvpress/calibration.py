@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from . import arguments
+from . import arguments, cli
 from .cache import KVPressCache
 from .channels import label_channels
 from .codebooks import fit_codebooks
@@ -327,7 +327,7 @@ MIN_TOKENS = 64  # shorter texts leave a layer too few tokens after the sinks to
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvpress calibrate", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="kvpress calibrate", description=__doc__.split("\n\n")[0], formatter_class=cli.ShowDefaults)
     parser.add_argument("--model", required=True, help="a local model folder, or a name from kvpress.models "
                                                        "(smollm2, gemma3)")
     parser.add_argument("--out", default=None, help=f"output file (default: <model folder>/{FILE_NAME})")

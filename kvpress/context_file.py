@@ -161,6 +161,18 @@ def read(path, model) -> Saved:
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"model={type(model).__name__}; allowed values: the transformers model the context was "
                          f"compressed with")
+    header, tensors = opened(path)
+    try:
+        return _validated(header, tensors, model)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+
+
+def opened(path) -> tuple[dict, dict]:
+    """The header and tensors of a kvpress context file, checked as a file (readable, this format and version, its
+    checksum) without a model: what `kvpress ask` checks before it loads one."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise ValueError(f"path={path!r:.60}; allowed values: a file path (str or pathlib.Path)")
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"path={str(path)!r}: no such file")
@@ -183,10 +195,7 @@ def read(path, model) -> Saved:
     if written != checksum(text, tensors):
         raise ValueError(f"{path}: damaged (its header's or tensors' bytes do not match the checksum written with "
                          f"them)")
-    try:
-        return _validated(header, tensors, model)
-    except ValueError as e:
-        raise ValueError(f"{path}: {e}") from None
+    return header, tensors
 
 
 def _validated(header: dict, tensors: dict, model) -> Saved:

@@ -18,6 +18,7 @@ import torch
 
 import kvpress
 from kvpress.models import context_of, load
+from kvpress.cli import ShowDefaults
 from kvpress.needle import filler
 
 FACTS = [  # (sentence, question, what a correct answer contains)
@@ -48,7 +49,7 @@ def row(label: str, compressed, answers, full_bytes: int) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m kvpress.demo", description=__doc__)
+    parser = argparse.ArgumentParser(prog="kvpress demo", description=__doc__, formatter_class=ShowDefaults)
     parser.add_argument("--tokens", type=int, default=6000, help="document length in tokens (default 6000)")
     parser.add_argument("--new-tokens", type=int, default=24, help="answer length limit in tokens (default 24)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")

@@ -1,4 +1,4 @@
-"""kvpress's own commands (`kvpress`, `kvpress calibrate`, `kvpress-models`) refuse bad input before any work, with a
+"""kvpress's own commands (`kvpress`, `kvpress compress / ask / eval / serve / calibrate / demo`, `kvpress-models`) refuse bad input before any work, with a
 message naming the flag and the allowed values and exit status 2, never a traceback (issue 30 item 16). Each command
 runs once as the user runs it (a new interpreter, python -m, with this checkout first on the path); the many bad-flag
 cases call the same `main(argv)` in this process, with model loading made to fail, so a refusal that comes too late
@@ -14,6 +14,7 @@ import pytest
 import evals.cli
 import kvpress.calibration
 import kvpress.cli
+import kvpress.commands
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -40,9 +41,24 @@ def refused(main, argv, capsys) -> str:
     return capsys.readouterr().err
 
 
-def test_kvpress_help_lists_the_commands_and_exits_0():
-    done = command("kvpress.cli", "--help")
-    assert done.returncode == 0 and "calibrate" in done.stdout and done.stderr == ""
+@pytest.mark.parametrize("argv", [["--help"], []])
+def test_kvpress_and_its_help_list_the_commands_and_exit_0_without_loading_torch(argv):
+    probe = ("import sys, runpy; sys.argv = ['kvpress', *sys.argv[1:]]\n"
+             "try:\n    runpy.run_module('kvpress.cli', run_name='__main__')\n"
+             "finally:\n    print('torch loaded' if 'torch' in sys.modules else 'no torch', file=sys.stderr)")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, "-c", probe, *argv], capture_output=True, text=True, env=env, cwd=ROOT,
+                          timeout=60)
+    assert done.returncode == 0 and done.stderr == "no torch\n", done.stderr[-2000:]
+    assert all(name in done.stdout for name in ("compress", "ask", "eval", "serve", "calibrate", "demo"))
+
+
+def test_every_public_name_of_the_package_loads():
+    """kvpress's names load on first use (its __init__): each resolves, to what its module defines."""
+    import kvpress
+    for name in kvpress.__all__:
+        assert getattr(kvpress, name) is not None, name
+    assert callable(kvpress.combine) and callable(kvpress.compress) and kvpress.DEFAULT_POLICY == "kvzap+kivi"
 
 
 def test_kvpress_models_refuses_an_unknown_name_before_any_download():
@@ -82,7 +98,7 @@ def test_kvpress_calibrate_checks_every_flag_before_the_model_loads(argv, messag
 
 
 def test_kvpress_refuses_an_unknown_command(capsys):
-    assert "kvpress: error: 'calibrat'; allowed values: calibrate" in refused(kvpress.cli.main, ["calibrat"], capsys)
+    assert "kvpress: error: 'calibrat'; allowed values: compress, ask, eval, serve, calibrate, demo" in refused(kvpress.cli.main, ["calibrat"], capsys)
 
 
 def test_every_option_of_every_command_has_help_text(capsys):
@@ -93,7 +109,9 @@ def test_every_option_of_every_command_has_help_text(capsys):
     from kvpress.demo import build_parser as demo_parser
     from kvpress.models import build_parser as models_parser
 
-    for parser in (eval_parser(), calibrate_parser(), demo_parser(), models_parser()):
+    commands = [parser() for parser in (kvpress.commands._compress_parser, kvpress.commands._ask_parser,
+                                        kvpress.commands._serve_parser)]
+    for parser in (eval_parser(), calibrate_parser(), demo_parser(), models_parser(), *commands):
         for action in parser._actions:
             if not isinstance(action, argparse._HelpAction):
                 assert action.help, f"{parser.prog}: {action.option_strings or action.dest} has no help text"
@@ -162,3 +180,104 @@ def test_every_benchmark_script_imports():
     done = subprocess.run([sys.executable, "-c", f"import importlib\nfor m in {names!r}: importlib.import_module(m)"],
                           capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["missing.txt", "--out", "x.kvpress"], "file='missing.txt': cannot be read as UTF-8 text"),
+    (["{doc}", "--out", "x.kvpress", "--policy", "snapkv"], "give exactly one of compression_ratio"),
+    (["{doc}", "--out", "x.kvpress", "--policy", "snapkv", "--ratio", "1.5"], "compression_ratio=1.5"),
+    (["{doc}", "--out", "x.kvpress", "--param", "window_size"], "--param 'window_size'; allowed values: NAME=VALUE"),
+    (["{doc}", "--out", "x.kvpress", "--param", "windw=3"], "unknown parameter(s) ['windw']"),
+    (["{doc}", "--out", "{folder}"], "is a folder"),
+    (["{doc}", "--out", "x.kvpress", "--model", "no/such/folder"], "--model='no/such/folder'"),
+])
+def test_kvpress_compress_checks_every_flag_before_the_model_loads(argv, message, tmp_path, monkeypatch, capsys):
+    doc = tmp_path / "doc.txt"
+    doc.write_text("A short document.")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("transformers.AutoModelForCausalLM", NoModelLoads)
+    stderr = refused(kvpress.commands.compress_main, [a.format(doc=doc, folder=tmp_path) for a in argv], capsys)
+    assert stderr.startswith("kvpress compress: error: ") and message in stderr, stderr
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["missing.kvpress", "q"], "context='missing.kvpress' is not a file"),
+    (["{file}", "q", "--new-tokens", "0"], "--new-tokens=0; allowed values: an int >= 1"),
+])
+def test_kvpress_ask_checks_its_flags_before_the_model_loads(argv, message, tmp_path, monkeypatch, capsys):
+    (tmp_path / "c.kvpress").write_bytes(b"not read before the flags are checked")
+    monkeypatch.setattr("transformers.AutoModelForCausalLM", NoModelLoads)
+    stderr = refused(kvpress.commands.ask_main, [a.format(file=tmp_path / "c.kvpress") for a in argv], capsys)
+    assert stderr.startswith("kvpress ask: error: ") and message in stderr, stderr
+
+
+def test_kvpress_ask_refuses_a_file_that_is_not_a_context_before_the_model_loads(tmp_path, monkeypatch, capsys):
+    (tmp_path / "c.kvpress").write_bytes(b"not a kvpress file")
+    monkeypatch.setattr("transformers.AutoModelForCausalLM", NoModelLoads)
+    stderr = refused(kvpress.commands.ask_main, [str(tmp_path / "c.kvpress"), "q"], capsys)
+    assert stderr.startswith("kvpress ask: error: ") and stderr.count("\n") == 1, stderr
+
+
+@pytest.mark.real_model
+def test_kvpress_compress_then_ask_answer_as_the_library_does(tmp_path):
+    """The two commands, each a new interpreter as a user runs them, against compress / ask in this process."""
+    import json
+
+    from kvpress.models import load
+
+    text = "The vault code is 5521. The vault is in Oslo. " + "Nothing happens here today. " * 60
+    (tmp_path / "doc.txt").write_text(text)
+    out = tmp_path / "doc.kvpress"
+    done = command("kvpress.cli", "compress", str(tmp_path / "doc.txt"), "--out", str(out), "--json")
+    assert done.returncode == 0, done.stderr[-2000:]
+    made = json.loads(done.stdout)
+    questions = ["What is the vault code?", "Where is the vault?"]
+    done = command("kvpress.cli", "ask", str(out), *questions, "--new-tokens", "8", "--json")
+    assert done.returncode == 0, done.stderr[-2000:]
+    asked = json.loads(done.stdout)
+
+    model, tokenizer = load("smollm2")
+    here = kvpress.compress(model, tokenizer, text)  # the default policy, as the command's
+    assert made["context_bytes"] == here.nbytes() and made["kept_fraction"] == here.kept_fraction()
+    assert made["policy"] == here.policy
+    assert asked["answers"] == here.ask(tokenizer, questions, max_new_tokens=8).answers
+    assert asked["context_bytes"] == made["context_bytes"] < made["full_cache_bytes"] / 5
+
+
+def test_the_default_policy_compresses_without_any_argument():
+    """`compress(model, tokenizer, document)` works as written: the measured default, kvzap+kivi at 0.75."""
+    import kvpress.compressed as compressed
+    assert compressed.default_policy(None, {}) == ("kvzap+kivi", compressed.DEFAULT_PARAMS)
+    assert compressed.default_policy(None, {"budget": 64})[1] == dict(budget=64, bits=4, residual_length=32)
+    assert compressed.default_policy(None, {"bits": 2})[1]["bits"] == 2  # a parameter given overrides it
+    assert compressed.default_policy("snapkv", {"compression_ratio": 0.5}) == ("snapkv", {"compression_ratio": 0.5})
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["no/such/folder", "--policy", "snapkv", "--ratio", "0.5"], "model='no/such/folder': not a folder with config.json"),
+    (["{model}", "--policy", "kvzap+kivi", "--ratio", "0.5"], "low-bit storage"),
+    (["{model}", "--policy", "kvzap", "--ratio", "0.5", "--param", "budget_allocation=global"], "model-level pass"),
+    (["{model}", "--policy", "snapkv", "--ratio", "2"], "compression_ratio=2"),
+])
+def test_kvpress_serve_refuses_settings_the_engine_would_refuse_before_it_starts(argv, message, tmp_path, capsys):
+    (tmp_path / "config.json").write_text("{}")
+    stderr = refused(kvpress.commands.serve_main, [a.format(model=tmp_path) for a in argv], capsys)
+    assert stderr.startswith("kvpress serve: error: ") and message in stderr, stderr
+
+
+def test_kvpress_serve_hands_vllm_the_checked_settings(tmp_path, capsys):
+    import json
+    (tmp_path / "config.json").write_text("{}")
+    kvpress.commands.serve_main([str(tmp_path), "--policy", "snapkv", "--ratio", "0.75", "--dry-run", "--",
+                                 "--max-model-len", "4096"])
+    command_line = json.loads(capsys.readouterr().out)
+    assert command_line[1:4] == ["serve", str(tmp_path), "--additional-config"]
+    assert json.loads(command_line[4]) == {"kvpress": {"policy": "snapkv", "compression_ratio": 0.75}}
+    assert command_line[5:] == ["--max-model-len", "4096"]
+
+
+def test_kvpress_eval_is_kvpress_eval(monkeypatch):
+    seen = []
+    monkeypatch.setattr(evals.cli, "main", seen.append)
+    kvpress.cli.main(["eval", "--task", "ruler"])
+    assert seen == [["--task", "ruler"]]

@@ -59,3 +59,18 @@ def test_the_kvpress_eval_commands_shown_parse():
         if "--out" not in args:
             args += ["--out", "x"]
         build_parser().parse_args(args)  # exits (SystemExit 2) on an option the CLI lacks
+
+
+def test_the_kvpress_commands_shown_parse():
+    """`kvpress compress / ask / serve ...` as the README writes them parse with the commands' own parsers."""
+    import kvpress.commands as commands
+    parsers = dict(compress=commands._compress_parser, ask=commands._ask_parser, serve=commands._serve_parser)
+    shown = []
+    for block in BASH:
+        for line in re.sub(r"\\\n\s*", " ", block).splitlines():
+            words = shlex.split(line.split("#")[0]) if line.split("#")[0].strip() else []
+            if words and words[0].endswith("kvpress") and len(words) > 1 and words[1] in parsers:
+                args = words[2:]
+                parsers[words[1]]().parse_args(args[:args.index("--")] if "--" in args else args)
+                shown.append(words[1])
+    assert set(shown) == set(parsers), shown

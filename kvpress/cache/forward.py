@@ -28,7 +28,7 @@ class ForwardState:
     # while a model-level hook probes the cache (the patch's probe): called with each kvpress layer's Context after
     # attention, instead of the policy's hooks; None otherwise
     probe: Callable | None = None
-    # while a forward computes stored tokens again (CacheBlend's recompute, kvpress/combine.py): their positions [n],
+    # while a forward computes stored tokens again (CacheBlend's recompute, kvpress/combined.py): their positions [n],
     # increasing; each kvpress layer overwrites those tokens' slots (overwrite.py) instead of appending, and attention
     # reads every stored slot up to each token's position; None otherwise
     recompute: torch.Tensor | None = None

@@ -1,5 +1,5 @@
 """Overwriting stored tokens in place: the keys and values of tokens a forward computes again (CacheBlend's
-recompute, kvpress/combine.py), written over the slots that hold those tokens, nothing appended.
+recompute, kvpress/combined.py), written over the slots that hold those tokens, nothing appended.
 
 A forward whose ForwardState carries `recompute` positions [n] hands each kvpress layer the tokens at those
 positions (input ids at their original RoPE positions); `overwrite` finds, in every full-precision segment, the slots

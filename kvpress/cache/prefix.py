@@ -1,5 +1,5 @@
 """A context every row of a batch shares, stored once: many questions over one compressed document (Hydragen:
-Juravsky et al., 2024), or over several documents compressed apart (APE: Yang et al., 2025; kvpress/combine.py).
+Juravsky et al., 2024), or over several documents compressed apart (APE: Yang et al., 2025; kvpress/combined.py).
 
 A layer's `prefix` precedes its own segments. `share(layer)` makes everything a layer holds a `SharedPrefix` (a
 one-row KVPressLayer, any storage kind) and starts the layer's own slots empty: from then on the layer's segments are
@@ -130,7 +130,7 @@ class SharedPrefix:
 
 @dataclass(frozen=True)
 class ParallelPrefix:
-    """APE's (kvpress/combine.py): an instruction every document was encoded after, then documents encoded apart at
+    """APE's (kvpress/combined.py): an instruction every document was encoded after, then documents encoded apart at
     the same positions. A query's attention over the documents is one softmax with its logits divided by
     `temperature`, whose total weight against the instruction and the rows' own tokens is
     exp(temperature * logsumexp(logits / temperature)) * `scale` (APE's alignment with sequential encoding); with
