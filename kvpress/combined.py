@@ -201,8 +201,15 @@ def _values_by_position(layer, positions: list[int]) -> torch.Tensor:
     where = torch.tensor(positions, device=layer.device)
     stored, valid = layer.key_positions()[0], layer.key_valid()[0]  # [Hkv, T]
     values = layer.values_view()[0].float()  # [Hkv, T, D]
-    match = (stored[:, None, :] == where[None, :, None]) & valid[:, None, :]  # [Hkv, n, T]
-    return torch.einsum("hnt,htd->hnd", match.float(), values)
+    # each head's slot of each position (-1: not held), by a scatter: O(T), where comparing every position with
+    # every slot was O(n T) (0.8 s a call for a 4K-token join)
+    slot = torch.full((stored.shape[0], max(int(stored.max()), int(where.max())) + 1), -1, dtype=torch.long,
+                      device=stored.device)
+    heads, slots = valid.nonzero(as_tuple=True)
+    slot[heads, stored[heads, slots]] = slots
+    at = slot[:, where]  # [Hkv, n]
+    picked = values.gather(1, at.clamp(min=0)[..., None].expand(-1, -1, values.shape[-1]))
+    return torch.where((at >= 0)[..., None], picked, torch.zeros((), dtype=values.dtype, device=values.device))
 
 
 @torch.no_grad()
