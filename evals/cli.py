@@ -45,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma list (ruler: default the 6-task suite, 'all' for every task; longbench: datasets)")
     p.add_argument("--lengths", default="2048,4096", help="prompt tokens (longbench: the truncation budget)")
     p.add_argument("--policies", default="none,snapkv,h2o,streaming_llm",
-                   help="comma list of kvpress policies; parameters after colons, e.g. snapkv:budget_allocation=adaptive")
+                   help="comma list of kvpress policies; parameters after colons, e.g. snapkv:budget_allocation=adaptive "
+                        "(none, the full cache, is added when missing: every ratio in the summary is to it)")
     p.add_argument("--ratios", default="0.5,0.75,0.9", help="compression ratios (fraction of the KV removed)")
     p.add_argument("--modes", default="query_aware", help="query_aware and/or query_agnostic (comma list)")
     p.add_argument("--n", "--samples", dest="n", type=int, default=50,

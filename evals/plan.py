@@ -173,6 +173,8 @@ def make_plan(args) -> Plan:
     if too_long:
         raise ValueError(f"--lengths: {too_long} exceed the model's context ({context} tokens, "
                          f"max_position_embeddings); allowed values: lengths <= {context}")
+    if "none" not in (parse_policy(p)[0] for p in policies):
+        policies = ["none", *policies]  # the full cache: the reference of every bytes and score ratio in the summary
     configs = configs_for(policies, ratios)
     if args.engine == "vllm":
         from . import vllm_engine

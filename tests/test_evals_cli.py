@@ -215,3 +215,13 @@ def test_the_summary_says_which_decode_times_were_shared_and_decode_alone_times_
     from evals.engine import configs_for
     configs = configs_for(["none", "snapkv", "h2o"], [0.5])
     assert [len(b) for b, _ in decode_batches(Pre(), configs, separate=True)] == [1] * len(configs)
+
+
+def test_the_full_cache_is_evaluated_even_when_not_asked_for(tiny_dir, tmp_path):
+    """Without `none` the summary's bytes column and accuracy-per-byte section had nothing to divide by."""
+    from evals.plan import make_plan
+    args = cli.build_parser().parse_args(["--model", str(tiny_dir), "--task", "ruler", "--policies", "snapkv",
+                                          "--ratios", "0.5", "--lengths", "256", "--out", str(tmp_path)])
+    assert [(c.policy, c.ratio) for c in make_plan(args).configs] == [("none", 0.0), ("snapkv", 0.5)]
+    args.policies = "snapkv,none"
+    assert [(c.policy, c.ratio) for c in make_plan(args).configs] == [("snapkv", 0.5), ("none", 0.0)]
