@@ -13,11 +13,21 @@ import urllib.request
 from engines import smollm2_folder
 
 
+ENGINE_FLAGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "4096", "--kv-cache-memory-bytes",
+                str(1 << 30)]
+
+
 def server(settings: dict, port: int):
+    """vLLM's server as vLLM's users start it, the settings handed to the engine unchecked (the engine refuses)."""
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", smollm2_folder(),
-               "--dtype", "float32", "--enforce-eager", "--max-model-len", "4096",
-               "--kv-cache-memory-bytes", str(1 << 30), "--port", str(port),
-               "--additional-config", json.dumps({"kvpress": settings})]
+               *ENGINE_FLAGS, "--port", str(port), "--additional-config", json.dumps({"kvpress": settings})]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def kvpress_serve(policy: str, params: dict, port: int):
+    """The same server through `kvpress serve` (kvpress/commands.py), which builds and checks the settings."""
+    command = [sys.executable, "-m", "kvpress.cli", "serve", smollm2_folder(), "--policy", policy,
+               *(f"--param={k}={json.dumps(v)}" for k, v in params.items()), "--", *ENGINE_FLAGS, "--port", str(port)]
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -35,7 +45,8 @@ def post(port: int, path: str, body: dict) -> dict:
 
 
 def test_the_server_answers_through_kvzap(tokenizer):
-    """The server's answer to a long prompt is the transformers path's under kvzap at the engine's budget."""
+    """The server's answer to a long prompt, started by `kvpress serve`, is the transformers path's under kvzap at
+    the engine's budget."""
     import torch
 
     import kvpress
@@ -45,7 +56,7 @@ def test_the_server_answers_through_kvzap(tokenizer):
     from kvpress.policies import resolve_policy
 
     port = free_port()
-    process = server({"policy": "kvzap", "compression_ratio": 0.75}, port)
+    process = kvpress_serve("kvzap", {"compression_ratio": 0.75}, port)
     try:
         deadline = time.monotonic() + 900  # an engine start takes 40-180 s here, more beside the main suite
         while True:
