@@ -195,7 +195,7 @@ def test_kvpress_compress_checks_every_flag_before_the_model_loads(argv, message
     doc = tmp_path / "doc.txt"
     doc.write_text("A short document.")
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr("transformers.AutoModelForCausalLM", NoModelLoads)
+    monkeypatch.setattr(kvpress.commands, "AutoModelForCausalLM", NoModelLoads)
     stderr = refused(kvpress.commands.compress_main, [a.format(doc=doc, folder=tmp_path) for a in argv], capsys)
     assert stderr.startswith("kvpress compress: error: ") and message in stderr, stderr
 
@@ -206,14 +206,14 @@ def test_kvpress_compress_checks_every_flag_before_the_model_loads(argv, message
 ])
 def test_kvpress_ask_checks_its_flags_before_the_model_loads(argv, message, tmp_path, monkeypatch, capsys):
     (tmp_path / "c.kvpress").write_bytes(b"not read before the flags are checked")
-    monkeypatch.setattr("transformers.AutoModelForCausalLM", NoModelLoads)
+    monkeypatch.setattr(kvpress.commands, "AutoModelForCausalLM", NoModelLoads)
     stderr = refused(kvpress.commands.ask_main, [a.format(file=tmp_path / "c.kvpress") for a in argv], capsys)
     assert stderr.startswith("kvpress ask: error: ") and message in stderr, stderr
 
 
 def test_kvpress_ask_refuses_a_file_that_is_not_a_context_before_the_model_loads(tmp_path, monkeypatch, capsys):
     (tmp_path / "c.kvpress").write_bytes(b"not a kvpress file")
-    monkeypatch.setattr("transformers.AutoModelForCausalLM", NoModelLoads)
+    monkeypatch.setattr(kvpress.commands, "AutoModelForCausalLM", NoModelLoads)
     stderr = refused(kvpress.commands.ask_main, [str(tmp_path / "c.kvpress"), "q"], capsys)
     assert stderr.startswith("kvpress ask: error: ") and stderr.count("\n") == 1, stderr
 
