@@ -15,7 +15,7 @@ _WHERE = {  # public name -> the module that defines it
     "last_cache_stats": ".integrations",
     "list_policies": ".policies",
     "Answers": ".compressed", "CompressedContext": ".compressed", "ask": ".compressed", "compress": ".compressed",
-    "load": ".compressed", "DEFAULT_POLICY": ".compressed",
+    "load": ".compressed", "DEFAULT_POLICY": ".compressed", "DEFAULT_PARAMS": ".compressed",
     "combine": ".combined",
     "speculative_generate": ".speculative",
 }

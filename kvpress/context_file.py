@@ -161,18 +161,27 @@ def read(path, model) -> Saved:
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"model={type(model).__name__}; allowed values: the transformers model the context was "
                          f"compressed with")
-    header, tensors = opened(path)
-    try:
-        return _validated(header, tensors, model)
-    except ValueError as e:
-        raise ValueError(f"{path}: {e}") from None
+    return opened(path).for_model(model)
 
 
-def opened(path) -> tuple[dict, dict]:
-    """The header and tensors of a kvpress context file, checked as a file (readable, this format and version, its
-    checksum) without a model: what `kvpress ask` checks before it loads one."""
-    if not isinstance(path, (str, os.PathLike)):
-        raise ValueError(f"path={path!r:.60}; allowed values: a file path (str or pathlib.Path)")
+@dataclass(frozen=True)
+class OpenedFile:
+    """A kvpress context file checked as a file (readable, this format and version, its checksum), before any model:
+    what `kvpress ask` checks before it loads one. `for_model` checks the rest against the model."""
+
+    path: Path
+    header: dict
+    tensors: dict
+
+    def for_model(self, model) -> Saved:
+        try:
+            return _validated(self.header, self.tensors, model)
+        except ValueError as e:
+            raise ValueError(f"{self.path}: {e}") from None
+
+
+def opened(path) -> OpenedFile:
+    """`path` read and checked as a kvpress context file (read checks the path's type first)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"path={str(path)!r}: no such file")
@@ -195,7 +204,7 @@ def opened(path) -> tuple[dict, dict]:
     if written != checksum(text, tensors):
         raise ValueError(f"{path}: damaged (its header's or tensors' bytes do not match the checksum written with "
                          f"them)")
-    return header, tensors
+    return OpenedFile(path, header, tensors)
 
 
 def _validated(header: dict, tensors: dict, model) -> Saved:
