@@ -1,5 +1,6 @@
-"""kvpress's own commands (`kvpress`, `kvpress compress / ask / eval / serve / calibrate / demo`, `kvpress-models`) refuse bad input before any work, with a
-message naming the flag and the allowed values and exit status 2, never a traceback (issue 30 item 16). Each command
+"""kvpress's own commands (`kvpress`, `kvpress compress / ask / eval / serve / calibrate / demo`, `kvpress-models`)
+refuse bad input before any work, with a message naming the flag and the allowed values and exit status 2, never a
+traceback (issue 30 item 16). Each command
 runs once as the user runs it (a new interpreter, python -m, with this checkout first on the path); the many bad-flag
 cases call the same `main(argv)` in this process, with model loading made to fail, so a refusal that comes too late
 fails the test instead of starting a calibration or an eval (and no case pays a new interpreter's import time)."""
