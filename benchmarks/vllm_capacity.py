@@ -49,6 +49,7 @@ def run_config(args, settings: dict | None) -> dict:
     from vllm import LLM, SamplingParams, TokensPrompt
 
     from kvpress.models import model_path
+    from kvpress.progress import task
 
     folder = str(model_path(args.model))
     tokenizer = AutoTokenizer.from_pretrained(folder)
@@ -70,23 +71,25 @@ def run_config(args, settings: dict | None) -> dict:
         engine.add_request(f"q{i}", TokensPrompt(prompt_token_ids=ids), params)
     running, steps, generated, pages = 0, 0, 0, []
     prompt_steps_s = decode_steps_s = 0.0
-    while engine.has_unfinished_requests():
-        prompts_left = _prompt_tokens_left(scheduler)
-        tick = time.perf_counter()
-        for out in engine.step():
-            if out.finished:
-                generated += len(out.outputs[0].token_ids)
-        took = time.perf_counter() - tick
-        if _prompt_tokens_left(scheduler) < prompts_left:  # the step computed prompt tokens (and decoded others)
-            prompt_steps_s += took
-        else:
-            decode_steps_s += took
-        steps += 1
-        running = max(running, len(scheduler.running))
-        manager = scheduler.kv_cache_manager.coordinator.single_type_managers[0]
-        for request in scheduler.running:  # pages held right after the prompt was computed and compacted
-            if request.num_output_tokens == 2 and len(pages) < args.requests:
-                pages.append(sum(not b.is_null for b in manager.req_to_blocks[request.request_id]))
+    with task(f"vllm {label(settings)}", total=len(queue), unit="request") as finished:
+        while engine.has_unfinished_requests():
+            prompts_left = _prompt_tokens_left(scheduler)
+            tick = time.perf_counter()
+            for out in engine.step():
+                if out.finished:
+                    generated += len(out.outputs[0].token_ids)
+                    finished.advance(note=f"{len(scheduler.running)} running")
+            took = time.perf_counter() - tick
+            if _prompt_tokens_left(scheduler) < prompts_left:  # the step computed prompt tokens (and decoded others)
+                prompt_steps_s += took
+            else:
+                decode_steps_s += took
+            steps += 1
+            running = max(running, len(scheduler.running))
+            manager = scheduler.kv_cache_manager.coordinator.single_type_managers[0]
+            for request in scheduler.running:  # pages held right after the prompt was computed and compacted
+                if request.num_output_tokens == 2 and len(pages) < args.requests:
+                    pages.append(sum(not b.is_null for b in manager.req_to_blocks[request.request_id]))
     wall = time.perf_counter() - begin
     return dict(config=label(settings), running=running, tok_s=round(generated / wall, 2), wall_s=round(wall, 1),
                 prompt_steps_s=round(prompt_steps_s, 1), decode_steps_s=round(decode_steps_s, 1),

@@ -121,8 +121,9 @@ def run(args) -> dict:
     plan = make_plan(args)
 
     import torch
-    from tqdm import tqdm
     from transformers import AutoTokenizer
+
+    from kvpress.progress import reporting, task
 
     from .report import read_rows, write_all
 
@@ -136,14 +137,15 @@ def run(args) -> dict:
     done = {row_key(r.get("model"), r) for r in read_rows(plan.out)}
     tokenizer = AutoTokenizer.from_pretrained(plan.model_path)
     items = work_items(plan)
-    bar = tqdm(total=len(items) * len(plan.modes), desc=f"{plan.suite}" + (f" shard {i}/{n}" if n > 1 else ""),
-               unit="sample", disable=args.no_progress, dynamic_ncols=True)
-    if args.engine == "vllm":
-        with open(results, "a", encoding="utf-8") as sink:
-            counts = _run_engine(plan, args, tokenizer, items, done, sink, bar)
-    else:
-        counts = _run_transformers(plan, args, tokenizer, items, done, results if writer else os.devnull, bar)
-    bar.close()
+    # samples x modes through transformers; samples x configs through vLLM (config by config)
+    total = len(items) * (len(plan.configs) if args.engine == "vllm" else len(plan.modes))
+    with reporting(not args.no_progress), \
+            task(f"eval {plan.suite}" + (f" shard {i}/{n}" if n > 1 else ""), total, unit="sample") as bar:
+        if args.engine == "vllm":
+            with open(results, "a", encoding="utf-8") as sink:
+                counts = _run_engine(plan, args, tokenizer, items, done, sink, bar)
+        else:
+            counts = _run_transformers(plan, args, tokenizer, items, done, results if writer else os.devnull, bar)
     wall = time.time() - started
     if not writer:
         return dict(counts, wall_s=round(wall, 1))
@@ -192,7 +194,7 @@ def _run_transformers(plan: Plan, args, tokenizer, items: list, done: set, resul
             if args.max_new_tokens:
                 sample.max_new_tokens = min(sample.max_new_tokens, args.max_new_tokens)
             for mode in plan.modes:
-                bar.set_postfix_str(f"{subtask} {length} #{index} {mode}", refresh=False)
+                bar.advance(0, note=f"{subtask} {length} #{index} {mode}")
                 missing = _missing(plan, sample, length, mode, done)
                 if missing:
                     if model is None:  # only when there is work: a finished run resumes without loading it
@@ -201,7 +203,7 @@ def _run_transformers(plan: Plan, args, tokenizer, items: list, done: set, resul
                     counts["evaluated"] += 1
                 else:
                     counts["skipped"] += 1
-                bar.update()
+                bar.advance()
     return counts
 
 
@@ -221,13 +223,12 @@ def _run_engine(plan: Plan, args, tokenizer, items: list, done: set, sink, bar) 
     stop = sorted({*(eos if isinstance(eos, list) else [eos] if eos is not None else []),
                    *([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])})
     counts = dict(evaluated=0, skipped=0)
-    bar.reset(total=len(samples) * len(plan.configs))
     for config in plan.configs:
         work = [(sample, length) for sample, length in samples if config in _missing(plan, sample, length,
                                                                                     "query_aware", done)]
         counts["skipped"] += len(samples) - len(work)
         if work:
-            bar.set_postfix_str(f"{config.policy} {config.ratio}: {len(work)} samples through vLLM", refresh=True)
+            bar.advance(0, note=f"{config.policy} {config.ratio}: {len(work)} samples through vLLM")
             rows = vllm_engine.evaluate(plan.model_path, tokenizer, work, config, args.dtype,
                                         int(args.kv_cache_gib * 2**30), stop, args.page_tokens)
             by_sample = {}
@@ -236,7 +237,7 @@ def _run_engine(plan: Plan, args, tokenizer, items: list, done: set, sink, bar) 
             for sample, length in work:
                 _write(sink, plan, by_sample[(sample.task, sample.index)], length)
             counts["evaluated"] += len(work)
-        bar.update(len(samples))
+        bar.advance(len(samples))
     return counts
 
 

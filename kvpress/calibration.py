@@ -21,10 +21,7 @@ The file itself (format, identity check, prediction) is kvpress/formats/calibrat
 from __future__ import annotations
 
 import argparse
-import importlib
-import inspect
 import math
-import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,77 +31,18 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from . import arguments, cli
 from .cache import KVPressCache
+from .calibration_texts import calibration_texts
 from .channels import label_channels
 from .codebooks import fit_codebooks
 from .formats.calibration import FILE_NAME, Calibration, model_identity  # noqa: F401 (this module's public names)
 from .integrations import patch_model
 from .integrations.hf import with_cache
 from .less_fit import fit_maps
-from .needle import haystack_sentences
 from .policies.base import Context, ModelPass, Needs
 from .policies.kvzip import KVzip
+from .progress import reporting, tracked
 
 LOG_FLOOR = 1e-6  # KVzip scores are probabilities; log(score) is fitted, floored here
-
-# Standard-library modules whose docstrings make the calibration prose (local, deterministic per Python version).
-_DOC_MODULES = ("argparse", "asyncio", "collections", "contextlib", "csv", "dataclasses", "decimal", "difflib",
-                "email", "enum", "fractions", "functools", "glob", "gzip", "heapq", "hmac", "html", "http.client",
-                "imaplib", "inspect", "ipaddress", "itertools", "json", "logging", "mailbox", "mimetypes", "operator",
-                "optparse", "pathlib", "pickle", "pprint", "queue", "random", "re", "sched", "secrets", "shlex",
-                "shutil", "smtplib", "socket", "statistics", "string", "subprocess", "tarfile", "tempfile",
-                "textwrap", "threading", "timeit", "tokenize", "typing", "unittest", "urllib.parse", "uuid",
-                "warnings", "weakref", "xml.dom", "zipfile", "zoneinfo")
-_NAMES = ("Alice", "Bruno", "Chen", "Dalia", "Emeka", "Farah", "Goran", "Hana", "Ivo", "Jun", "Kasia", "Liam",
-          "Mei", "Nikos", "Olga", "Pavel", "Quinn", "Rosa", "Sami", "Tariq", "Uma", "Viktor", "Wen", "Yara")
-_PLACES = ("Lisbon", "Osaka", "Tromso", "Quito", "Nairobi", "Tbilisi", "Perth", "Utrecht", "Cusco", "Hanoi",
-           "Bergen", "Accra", "Leipzig", "Split", "Dakar", "Cork", "Tartu", "Fez", "Hobart", "Kyoto")
-_THINGS = ("locker", "account", "parcel", "ticket", "badge", "invoice", "archive", "vault", "shipment", "permit")
-
-
-def _docstrings() -> list[str]:
-    paragraphs = []
-    for name in _DOC_MODULES:
-        try:
-            doc = inspect.getdoc(importlib.import_module(name)) or ""
-        except Exception:  # noqa: BLE001 - a module missing from this Python build just contributes nothing
-            continue
-        paragraphs += [p.replace("\n", " ").strip() for p in doc.split("\n\n") if len(p.split()) >= 8]
-    return paragraphs
-
-
-def _fact(rng: random.Random) -> str:
-    kind = rng.randrange(3)
-    if kind == 0:
-        return f"The {rng.choice(_THINGS)} number for {rng.choice(_NAMES)} is {rng.randint(100000, 9999999)}."
-    if kind == 1:
-        return f"{rng.choice(_NAMES)} moved to {rng.choice(_PLACES)} in {rng.randint(1950, 2024)}."
-    code = "".join(rng.choice("ABCDEFGHJKLMNPQRSTUVWXYZ23456789") for _ in range(8))
-    return f"Remember the {rng.choice(_THINGS)} code {code} for {rng.choice(_PLACES)}."
-
-
-def calibration_texts(tokenizer, n_texts: int, n_tokens: int, seed: int = 0) -> list[list[int]]:
-    """`n_texts` prompts of about `n_tokens` tokens each (the model's chat template around a document when it has
-    one): docstring paragraphs and haystack sentences in random order, a fact every few sentences."""
-    paragraphs = _docstrings()
-    out = []
-    for t in range(n_texts):
-        rng = random.Random(seed * 1000 + t)
-        filler = haystack_sentences(seed * 1000 + t)
-        parts, used = [], 0
-        while used < n_tokens:
-            pick = rng.random()
-            part = rng.choice(paragraphs) if pick < 0.45 and paragraphs else _fact(rng) if pick < 0.7 else next(filler)
-            parts.append(part)
-            used += len(tokenizer.encode(" " + part, add_special_tokens=False))
-        document = " ".join(parts)
-        if getattr(tokenizer, "chat_template", None):
-            text = tokenizer.apply_chat_template([{"role": "user", "content": document}], add_generation_prompt=True,
-                                                 tokenize=False)
-            out.append(list(tokenizer.encode(text, add_special_tokens=False)))
-        else:
-            out.append(list(tokenizer.encode(document)))
-    return out
-
 
 # ---------------------------------------------------------------------------- collecting KVzip's scores
 def _streaming_error(query, keys, values, key_pos, query_pos, valid, scaling, sink, window) -> torch.Tensor:
@@ -161,7 +99,7 @@ def collect(model, tokenizer, texts: list, target: str = "kvzip", chunk_size: in
     """Per text: {'hidden': {layer: [T, H] bf16}, 'scores': {layer: [K, T] fp32 KVzip scores},
     'head_error': {layer: [K]}}. The model is patched for the duration only."""
     out = []
-    for n, ids in enumerate(texts):
+    for n, ids in enumerate(tracked(texts, "calibration: KVzip", unit="text")):
         sink = {"hidden": {}, "head_error": {}}
         policy = KVzipRecorder(compression_ratio=0.0, chunk_size=chunk_size, kvzip_plus=target == "kvzip_plus",
                                tokenizer=tokenizer, sink=sink, head_sink=head_sink, head_window=head_window)
@@ -251,13 +189,21 @@ def _metrics(calibration: Calibration, records, n_sink: int, keep: float = 0.25)
 def calibrate(model, tokenizer, kind: str = "linear", target: str = "kvzip", n_texts: int = 16,
               n_tokens: int = 2048, held_out: int = 4, tokens_per_text: int | None = None, mlp_hidden: int = 32,
               mlp_steps: int = 600, ridge: float = 1e-3, n_sink: int = 4, head_window: int = 256, seed: int = 0,
-              codebook_stages: int | None = None, log=print) -> Calibration:
+              codebook_stages: int | None = None, log=print, progress=True) -> Calibration:
     """Run KVzip over `n_texts` local texts of about `n_tokens` tokens, fit the predictor on all but the last
     `held_out` texts and report its agreement with KVzip on those. `tokens_per_text`: tokens of each text the fit
     samples (None: every token after the sinks; on SmolLM2 that fits better than 768 sampled ones: Spearman 0.768
     vs 0.757 held out; kvzap at ratio 0.75 on the query-agnostic suite, 120 samples: 54.4 vs 51.7). CommVQ's
     codebooks are fitted on the same texts, `codebook_stages` stages (None: about 2 bits per number,
-    codebooks.default_stages)."""
+    codebooks.default_stages). `progress`: True (each stage's texts / layers on stderr), False, or a callable
+    (kvpress/progress.py)."""
+    with reporting(progress):
+        return _calibrate(model, tokenizer, kind, target, n_texts, n_tokens, held_out, tokens_per_text, mlp_hidden,
+                          mlp_steps, ridge, n_sink, head_window, seed, codebook_stages, log)
+
+
+def _calibrate(model, tokenizer, kind, target, n_texts, n_tokens, held_out, tokens_per_text, mlp_hidden, mlp_steps,
+               ridge, n_sink, head_window, seed, codebook_stages, log) -> Calibration:
     if kind not in ("linear", "mlp"):
         raise ValueError(f"kind={kind!r}; allowed values: 'linear', 'mlp'")
     if target not in ("kvzip", "kvzip_plus"):
@@ -351,6 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--less-only", action="store_true",
                         help="add LESS's feature maps to the existing file at --out (the rest stays as it is); minutes "
                              "on a CPU")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
     return parser
 
 
@@ -376,11 +323,19 @@ def main(argv=None) -> None:
     torch.set_grad_enabled(False)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, args.dtype)).eval()
     tokenizer = AutoTokenizer.from_pretrained(source)
+    calibration = None  # (a new one), or the file that --channels-only / --codebooks-only / --less-only extends
     if args.channels_only or args.codebooks_only or args.less_only:
         calibration = Calibration.load(out)
         if calibration.identity != model_identity(model):
             parser.exit(2, f"kvpress calibrate: error: --out {out} was made for another model; allowed: this model's "
                            f"calibration file\n")
+    with reporting(not args.no_progress):
+        calibration = _run(args, model, tokenizer, calibration)
+    calibration.save(out)
+    print(f"wrote {out} ({out.stat().st_size / 1024:.0f} KiB)")
+
+
+def _run(args, model, tokenizer, calibration: Calibration | None) -> Calibration:
     if args.less_only:
         add_less(calibration, model, calibration_texts(tokenizer, args.texts, args.tokens))
     elif args.codebooks_only:
@@ -391,9 +346,9 @@ def main(argv=None) -> None:
         calibration.settings["channels"] = dict(mode="qk", texts=args.texts, tokens=args.tokens)
     else:
         calibration = calibrate(model, tokenizer, kind=args.kind, target=args.target, n_texts=args.texts,
-                                n_tokens=args.tokens, held_out=HELD_OUT, codebook_stages=args.codebook_stages)
-    calibration.save(out)
-    print(f"wrote {out} ({out.stat().st_size / 1024:.0f} KiB)")
+                                n_tokens=args.tokens, held_out=HELD_OUT, codebook_stages=args.codebook_stages,
+                                progress=not args.no_progress)
+    return calibration
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from .integrations.hf import with_cache
 from .integrations.patching import patch_model
 from .policies.context import Context
 from .policies.protocol import Policy
+from .progress import tracked
 
 
 @dataclass
@@ -42,7 +43,7 @@ def label_channels(model, texts: list, layers: list) -> torch.Tensor:
     sums: dict = {}
     device = next(model.parameters()).device
     with torch.no_grad(), patch_model(model, _ChannelRecorder(sums=sums)):
-        for ids in texts:
+        for ids in tracked(texts, "channels", unit="text"):
             model(**with_cache(model, KVPressCache(model.config), input_ids=torch.tensor([ids], device=device),
                                use_cache=True, logits_to_keep=1))
     return torch.stack([sums[layer].argsort(dim=-1, descending=True, stable=True) for layer in layers])

@@ -27,6 +27,7 @@ from .kernels.vq_search import encode, nearest
 from .policies.context import Context
 from .policies.protocol import Needs, Policy
 from .positions import unrotate
+from .progress import tracked
 
 MAX_GROUP_PAIRS = 64  # RoPE pairs per group: 128 channels, the paper's group (a 64-channel head is one group)
 
@@ -112,11 +113,11 @@ def fit_codebooks(model, texts: list, layers: list, stages: int | None = None, i
     records: dict = {}
     device = next(model.parameters()).device
     with torch.no_grad(), patch_model(model, _KVRecorder(records=records)):
-        for ids in texts:
+        for ids in tracked(texts, "codebooks: recording", unit="text"):
             model(**with_cache(model, KVPressCache(model.config), input_ids=torch.tensor([ids], device=device),
                                use_cache=True, logits_to_keep=1))
     out = {"keys": [], "values": [], "key_errors": [], "value_errors": []}
-    for layer in layers:
+    for layer in tracked(layers, "codebooks: fitting", unit="layer"):
         for kind, at in (("keys", 0), ("values", 1)):
             data = torch.cat([r[at] for r in records[layer][:-1]], 1)  # [Hkv, N, D]
             held_out = records[layer][-1][at]

@@ -70,6 +70,7 @@ def _compress_parser() -> argparse.ArgumentParser:
     _model_flags(p, "the model that reads the document")
     _policy_flags(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
     return p
 
 
@@ -81,6 +82,7 @@ def _ask_parser() -> argparse.ArgumentParser:
     _model_flags(p, "the model (and dtype) the context was compressed with")
     p.add_argument("--new-tokens", type=int, default=64, help="answer length limit in tokens")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
     return p
 
 
@@ -131,7 +133,7 @@ def compress_main(argv=None) -> None:
         policy, params = compressed.default_policy(args.policy, policy_params(args))
         resolve_policy(policy, **params)  # (its hyper-parameters checked before the model loads)
         model, tokenizer = _load(args)
-        context = compressed.compress(model, tokenizer, text, policy, **params)
+        context = compressed.compress(model, tokenizer, text, policy, progress=not args.no_progress, **params)
         start = time.perf_counter()
         context.save(out)
         saved_s = time.perf_counter() - start
@@ -163,7 +165,7 @@ def ask_main(argv=None) -> None:
         start = time.perf_counter()
         context = compressed.loaded(file.for_model(model), model)  # (the file read once)
         load_s = read_s + time.perf_counter() - start
-        answers = context.ask(tokenizer, args.questions, max_new_tokens=args.new_tokens)
+        answers = context.ask(tokenizer, args.questions, max_new_tokens=args.new_tokens, progress=not args.no_progress)
     except ValueError as e:
         parser.exit(2, f"kvpress ask: error: {e}\n")
     figures = dict(answers=answers.answers, questions=answers.questions, context_tokens=answers.context_tokens,

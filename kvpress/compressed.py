@@ -22,19 +22,24 @@ from . import context_file
 from .cache import KVPressCache, KVPressLayer
 from .context_file import policy_from_spec, policy_spec, tokenizer_fingerprint
 from .integrations.scoped import patched_for_call
-from .integrations.hf import with_cache
+from .integrations.hf import attention_modules_of, with_cache
 from .policies.registry import resolve_policy
+from .progress import per_forward, reporting, task
 from .questions import QuestionFormat, left_padded, split_prompt, stop_ids
 
 
 class TokenClock:
-    """A generate() streamer that timestamps each put(): the first is the prompt, then one per generated step."""
+    """A generate() streamer that timestamps each put(): the first is the prompt, then one per generated step
+    (each advancing `steps`, a progress task)."""
 
-    def __init__(self):
+    def __init__(self, steps=None):
         self.stamps: list[float] = []
+        self.steps = steps
 
     def put(self, value):
         self.stamps.append(time.perf_counter())
+        if self.steps is not None and len(self.stamps) > 1:
+            self.steps.advance()
 
     def end(self):
         pass
@@ -121,9 +126,15 @@ class CompressedContext:
         return policy_from_spec(self.policy, tokenizer)
 
     # -- asking
-    def ask(self, tokenizer, questions, max_new_tokens: int = 64, batch_size: int | None = None) -> Answers:
+    def ask(self, tokenizer, questions, max_new_tokens: int = 64, batch_size: int | None = None,
+            progress=True) -> Answers:
         """Greedy answers to `questions` (a string or a list), `batch_size` at a time (None: all at once; one at a
-        time on models with sliding-window layers). Each answer is what asking that question alone gives."""
+        time on models with sliding-window layers). Each answer is what asking that question alone gives.
+        `progress`: True (decode steps on stderr, after 2 s), False, or a callable (kvpress/progress.py)."""
+        with reporting(progress):
+            return self._ask(tokenizer, questions, max_new_tokens, batch_size)
+
+    def _ask(self, tokenizer, questions, max_new_tokens: int, batch_size: int | None) -> Answers:
         questions = [questions] if isinstance(questions, str) else questions
         if not isinstance(questions, (list, tuple)) or not questions:
             raise ValueError(f"questions={questions!r:.80}; allowed values: a non-empty string or list of strings")
@@ -145,26 +156,29 @@ class CompressedContext:
             # left padding would take places in them. These answer one question at a time, what asking alone means
             step = 1
         tokens, question_s, decode_s, steps, batches, held = [], 0.0, 0.0, 0, 0, 0
-        for start in range(0, len(ids), step):
-            batches += 1
-            batch_tokens, times = self._generate(ids[start:start + step], max_new_tokens, stop, pad, tokenizer)
-            tokens += batch_tokens
-            question_s, decode_s, steps = question_s + times[0], decode_s + times[1], steps + times[2]
-            held = max(held, times[3])
+        starts = range(0, len(ids), step)
+        with task("answering", total=len(starts) * max_new_tokens, unit="step") as decoding:
+            for start in starts:
+                batches += 1
+                batch_tokens, times = self._generate(ids[start:start + step], max_new_tokens, stop, pad, tokenizer,
+                                                     decoding)
+                tokens += batch_tokens
+                question_s, decode_s, steps = question_s + times[0], decode_s + times[1], steps + times[2]
+                held = max(held, times[3])
         answers = [tokenizer.decode(t, skip_special_tokens=True).strip() for t in tokens]
         return Answers(list(questions), answers, tokens, self.context_tokens, self.nbytes(), self.full_cache_nbytes(),
                        self.kept_fraction(), question_s, decode_s, steps, batches,
                        shared_bytes=self.cache.shared_nbytes(), batch_bytes=held)
 
     @torch.no_grad()
-    def _generate(self, questions: list[list[int]], max_new_tokens: int, stop: set, pad: int, tokenizer):
+    def _generate(self, questions: list[list[int]], max_new_tokens: int, stop: set, pad: int, tokenizer, decoding):
         model = self.model
         ids, mask = left_padded(self.context_ids, questions, pad)
         device = context_file.model_device(model)
         cache = self.cache.fork()
         cache.share_context()  # the context once for every question (cache/prefix.py), each row its own tokens
         cache.batch_repeat_interleave(len(questions))
-        clock = TokenClock()
+        clock = TokenClock(decoding)
         with patched_for_call(model, self.make_policy(tokenizer)):
             start = time.perf_counter()
             out = model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
@@ -209,17 +223,26 @@ def default_policy(policy, params: dict) -> tuple:
 
 
 def compress(model, tokenizer, context: str, policy=None, *, chat_template: bool | None = None,
-             prefill_chunk_size: int | None = None, **params) -> CompressedContext:
+             prefill_chunk_size: int | None = None, progress=True, **params) -> CompressedContext:
     """Compress `context` once with `policy` (a name, composition or Policy; `params` its hyper-parameters, e.g.
     compression_ratio=0.75, bits=4; None: DEFAULT_POLICY with DEFAULT_PARAMS, which `params` override). Questions
     asked later never reach the compressor: pick a query-agnostic policy (kvzap, kvzip, keydiff, expected_attention,
-    or one of them + kivi)."""
+    or one of them + kivi). `progress`: True (the prefill's layers on stderr, after 2 s), False, or a callable
+    (kvpress/progress.py)."""
+    with reporting(progress):
+        return _compress(model, tokenizer, context, policy, chat_template, prefill_chunk_size, params)
+
+
+def _compress(model, tokenizer, context: str, policy, chat_template, prefill_chunk_size, params) -> CompressedContext:
     check_tokenizer(tokenizer)
     context_ids, fmt = split_prompt(tokenizer, context, chat_template)  # (the context is checked before the policy)
     policy, params = default_policy(policy, params)
     spec = policy_spec(resolve_policy(policy, **params))
     cache = KVPressCache(model.config)
-    with patched_for_call(model, policy_from_spec(spec, tokenizer), prefill_chunk_size=prefill_chunk_size):
+    layers = attention_modules_of(model)
+    passes = 1 if not prefill_chunk_size else -(-context_ids.shape[1] // prefill_chunk_size)
+    with patched_for_call(model, policy_from_spec(spec, tokenizer), prefill_chunk_size=prefill_chunk_size), \
+            task("prefill", total=len(layers) * passes, unit="layer") as prefill, per_forward(layers, prefill):
         start = time.perf_counter()
         with torch.no_grad():
             ids = context_ids.to(context_file.model_device(model))
@@ -230,10 +253,11 @@ def compress(model, tokenizer, context: str, policy=None, *, chat_template: bool
 
 
 def ask(model, tokenizer, context: str, questions, policy=None, *, max_new_tokens: int = 64,
-        batch_size: int | None = None, chat_template: bool | None = None, **params) -> Answers:
+        batch_size: int | None = None, chat_template: bool | None = None, progress=True, **params) -> Answers:
     """compress(model, tokenizer, context, policy, **params).ask(tokenizer, questions, max_new_tokens)."""
-    compressed = compress(model, tokenizer, context, policy, chat_template=chat_template, **params)
-    answers = compressed.ask(tokenizer, questions, max_new_tokens=max_new_tokens, batch_size=batch_size)
+    compressed = compress(model, tokenizer, context, policy, chat_template=chat_template, progress=progress, **params)
+    answers = compressed.ask(tokenizer, questions, max_new_tokens=max_new_tokens, batch_size=batch_size,
+                             progress=progress)
     answers.compress_s = compressed.compress_s
     return answers
 

@@ -53,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tokens", type=int, default=6000, help="document length in tokens (default 6000)")
     parser.add_argument("--new-tokens", type=int, default=24, help="answer length limit in tokens (default 24)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
     return parser
 
 
@@ -78,11 +79,15 @@ def main(argv=None):
           f"with four facts at depths {', '.join(f'{d:.0%}' for d in DEPTHS)}; the questions come after compression."
           f"\n")
 
-    full = kvpress.compress(model, tokenizer, text, "none")
-    best = kvpress.compress(model, tokenizer, text, **BEST)
+    progress = not args.no_progress
+    print("prefilling the document twice (kept whole, and compressed), then asking both: minutes on 2 cores",
+          flush=True)
+    full = kvpress.compress(model, tokenizer, text, "none", progress=progress)
+    best = kvpress.compress(model, tokenizer, text, progress=progress, **BEST)
     full_bytes = full.nbytes()
     runs = [("full cache", full), ("kvzap+kivi: 50% evicted, 4-bit", best)]
-    results = [(label, c, c.ask(tokenizer, questions, max_new_tokens=args.new_tokens)) for label, c in runs]
+    results = [(label, c, c.ask(tokenizer, questions, max_new_tokens=args.new_tokens, progress=progress))
+               for label, c in runs]
 
     print(f"{'context':<34} {'KV held':>13} {'bytes':>7} {'tokens':>6} {'prefill s':>9} {'question s':>10} "
           f"{'decode/s':>9} {'right':>6}")
@@ -104,7 +109,7 @@ def main(argv=None):
         start = time.perf_counter()
         later = kvpress.load(path, model)
         loaded_s = time.perf_counter() - start
-        again = later.ask(tokenizer, questions, max_new_tokens=args.new_tokens)
+        again = later.ask(tokenizer, questions, max_new_tokens=args.new_tokens, progress=progress)
     same = again.answers == results[1][2].answers
     print(f"\nSaved the compressed context: {size / 2**20:.2f} MiB in {saved_s:.2f} s; loaded in {loaded_s:.2f} s "
           f"(no prefill: {best.compress_s:.1f} s saved). Asked again after loading: "

@@ -26,6 +26,7 @@ from .integrations.hf import with_cache
 from .integrations.patching import patch_model
 from .policies.context import Context
 from .policies.protocol import Policy
+from .progress import tracked
 
 
 @dataclass
@@ -130,12 +131,12 @@ def fit_maps(model, texts: list, layers: list, heavy_ratio: float = 0.1, recent_
     sink: dict = {}
     device = next(model.parameters()).device
     with torch.no_grad(), patch_model(model, _Recorder(sink=sink)):
-        for ids in texts:
+        for ids in tracked(texts, "less: recording", unit="text"):
             model(**with_cache(model, KVPressCache(model.config), input_ids=torch.tensor([ids], device=device),
                                use_cache=True, logits_to_keep=1))
     modules = {m.layer_idx: m for m in model.modules() if hasattr(m, "o_proj") and hasattr(m, "layer_idx")}
     fitted, held, baseline = [], [], []
-    for layer in layers:
+    for layer in tracked(layers, "less: fitting", unit="layer"):
         records = sink[layer]
         q0, k0, _, scaling = records[0]
         group = q0.shape[0] // k0.shape[0]

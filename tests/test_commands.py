@@ -284,3 +284,25 @@ def test_kvpress_eval_is_kvpress_eval(monkeypatch):
     monkeypatch.setattr(evals.cli, "main", seen.append)
     kvpress.cli.main(["eval", "--task", "ruler"])
     assert seen == [["--task", "ruler"]]
+
+
+def test_compress_and_ask_pass_no_progress_on(tmp_path, monkeypatch):
+    """--no-progress reaches the library call (progress=False); without it the library's default (True) runs."""
+    import kvpress.commands as commands
+
+    class Stop(Exception):
+        pass
+
+    seen = []
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs["progress"])
+        raise Stop
+
+    (tmp_path / "doc.txt").write_text("A document.")
+    monkeypatch.setattr(commands, "_load", lambda args: (None, None))
+    monkeypatch.setattr(commands.compressed, "compress", recording)
+    for flags in ([], ["--no-progress"]):
+        with pytest.raises(Stop):
+            commands.compress_main([str(tmp_path / "doc.txt"), "--out", str(tmp_path / "d.kvpress"), *flags])
+    assert seen == [True, False]

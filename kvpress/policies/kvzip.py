@@ -30,6 +30,7 @@ from typing import ClassVar
 
 import torch
 
+from ..progress import tracked
 from .budget import AllocatedBudgetPolicy
 from .context import Context
 from .protocol import ModelPass, Needs
@@ -136,8 +137,9 @@ class KVzip(AllocatedBudgetPolicy):
             if run.attention_mask is None else run.attention_mask.bool()
         real = mask[:, seen - n_new:]  # this forward's real tokens, per row
         scores = {i: torch.zeros(*layer.key_valid().shape, device=device) for i, layer in run.layers()}
-        for replay_ids, replay_mask, positions, chunk in _replays(run.input_ids, real, seen - n_new, self.chunk_size,
-                                                                  self.prompt, run.next_positions):
+        replays = _replays(run.input_ids, real, seen - n_new, self.chunk_size, self.prompt, run.next_positions)
+        n_replays = max(1, max(math.ceil(int(r.sum()) / self.chunk_size) for r in real))
+        for replay_ids, replay_mask, positions, chunk in tracked(replays, "kvzip replay", n_replays, unit="chunk"):
             def on_layer(ctx: Context, chunk=chunk):
                 s = scores[ctx.layer_idx]
                 width = s.shape[-1]
