@@ -168,15 +168,16 @@ def test_calibrated_policies_answer_a_question_asked_after_compression(smollm2, 
 
 def test_gemma3_reads_its_shipped_codebooks_and_less_maps():
     """The calibration shipped for Gemma-3 carries CommVQ's codebooks and LESS's maps for its 3 global-attention
-    layers (the ones kvpress compresses): commvq stores their prompt as codes (1.9 bits per number and the norm: 62
-    of a bf16 vector's 512 bytes; its full-precision window's buffer is most of the rest at this length) and still
-    gives a needle buried in the text; less keeps its low-rank state there."""
+    layers (the ones kvpress compresses): commvq stores their prompt as codes (its default read, 16 of the 20 shipped
+    stages: 1.5 bits per number, 48 bytes and a 2-byte norm of a bf16 vector's 512; its full-precision window's
+    buffer is most of the rest at this length) and still gives a needle buried in the text; less keeps its low-rank
+    state there."""
     model, tok = load("gemma3")
     filler = "The grass is green and the river flows north past the old stone bridge. " * 40
     text = filler + "The secret code is 7394021. " + filler + "What is the secret code? The secret code is"
     ids = tok(text, return_tensors="pt").input_ids
     cache = KVPressCache(model.config)
-    with kvpress.patch_model(model, "commvq", residual_length=16, block_size=16), torch.no_grad():
+    with kvpress.patch_model(model, "commvq"), torch.no_grad():  # its defaults: 16-token window and blocks
         out = model.generate(ids, max_new_tokens=10, do_sample=False, past_key_values=cache)  # a digit a token
     assert "7394021" in tok.decode(out[0, ids.shape[1]:])
     layers = cache.kvpress_layers()
