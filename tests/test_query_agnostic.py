@@ -248,7 +248,8 @@ def test_expected_attention_keeps_its_definition_s_top_slots(arch, monkeypatch):
         return out
 
     monkeypatch.setattr(ExpectedAttention, "score", recording_score)
-    with kvpress.patch_model(model, "expected_attention", compression_ratio=0.5, n_future_positions=32):
+    with kvpress.patch_model(model, "expected_attention", compression_ratio=0.5, n_future_positions=32,
+                             use_covariance=True):  # NVIDIA kvpress's default, with the covariance term
         cache = KVPressCache(model.config)
         model(ids, past_key_values=cache)
     with kvpress.patch_model(model, "none"):

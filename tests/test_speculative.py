@@ -344,6 +344,29 @@ def test_page_stats_follow_appends_and_rollback():
     assert torch.equal(stats.kmax, ref.kmax) and torch.equal(stats.kmin, ref.kmin)
 
 
+def test_compare_times_plain_decoding_of_the_same_tokens_over_the_same_prefill():
+    """compare=True: the stats carry plain decoding's time for as many tokens over a copy of the prefilled cache
+    (the speedup is the ratio), and for greedy whether plain decoding gave the same tokens: it must."""
+    model = tiny_model("llama")
+    ids, mask = left_padded_pair()
+    out, stats = speculative_generate(model, ids, mask, draft="quest", gamma=3, max_new_tokens=20, draft_budget=16,
+                                      return_stats=True, compare=True)
+    assert stats.plain_matches is True and stats.plain_decode_s > 0
+    assert stats.speedup == pytest.approx(stats.plain_decode_s / stats.decode_s)
+    assert out.tolist() == plain(model, ids, mask, 20).tolist()
+    _, sampled = speculative_generate(model, ids, mask, draft="sink_window", gamma=2, max_new_tokens=8, do_sample=True,
+                                      draft_budget=16, return_stats=True, compare=True,
+                                      generator=torch.Generator().manual_seed(0))
+    assert sampled.plain_matches is None and sampled.plain_decode_s > 0  # (sampled tokens differ; the cost does not)
+    model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, custom_generate=custom_generate,
+                   draft="sink_window", gamma=2, draft_budget=16, compare=True)
+    assert last_stats(model).plain_matches is True
+    _, alone = speculative_generate(model, ids, mask, max_new_tokens=8, draft_budget=16, return_stats=True)
+    assert alone.plain_decode_s is None and alone.speedup is None  # not asked: no extra decoding
+    with pytest.raises(ValueError, match="compare=1; allowed values: True or False"):
+        speculative_generate(model, ids, mask, compare=1)
+
+
 # ---------------------------------------------------------------------------- bad input
 @pytest.mark.parametrize("kwargs,match", [
     (dict(gamma=0), r"gamma=0; allowed values: an int >= 1"),

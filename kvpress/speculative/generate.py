@@ -51,7 +51,10 @@ class SpeculativeStats:
     Wall-clock seconds (time.perf_counter; on CUDA the device is synchronised at each phase boundary, so a phase
     is charged its own kernels): prefill_s, the forward over the prompt (or over the part of it past a given
     cache=) that yields the first token; draft_s, the draft forwards and their rollback; verify_s, the
-    verification forwards and acceptance; total_s, the whole call inside the loop (the rest is bookkeeping)."""
+    verification forwards and acceptance; total_s, the whole call inside the loop (the rest is bookkeeping).
+    With compare=True: plain_decode_s, plain decoding of as many tokens over a copy of the same prefilled cache, one
+    forward per token (what speculation must beat; `speedup` is their ratio, below 1 when speculation is slower),
+    and plain_matches, whether greedy plain decoding gave the same tokens (None when sampling)."""
 
     rounds: int = 0
     drafted: int = 0
@@ -62,6 +65,8 @@ class SpeculativeStats:
     draft_s: float = 0.0
     verify_s: float = 0.0
     total_s: float = 0.0
+    plain_decode_s: float | None = None
+    plain_matches: bool | None = None
 
     @property
     def acceptance_rate(self) -> float:
@@ -80,6 +85,11 @@ class SpeculativeStats:
     def decode_tokens_per_s(self) -> float:
         """Tokens per row per second after the first (the prefill's), over decode_s; 0 when nothing was decoded."""
         return (self.emitted - 1) / self.decode_s if self.emitted > 1 and self.decode_s > 0 else 0.0
+
+    @property
+    def speedup(self) -> float | None:
+        """Plain decoding's time over speculation's for the same tokens (compare=True; None without)."""
+        return None if self.plain_decode_s is None or not self.decode_s else self.plain_decode_s / self.decode_s
 
 
 def last_stats(model) -> SpeculativeStats:
@@ -194,7 +204,7 @@ def speculative_generate(model, input_ids, attention_mask=None, *, draft="sink_w
                          max_new_tokens: int = 64, do_sample: bool = False, temperature: float = 1.0,
                          top_p: float = 1.0, draft_budget: int | None = None, eos_token_id=None,
                          pad_token_id=None, generator=None, return_stats: bool = False, cache=None,
-                         logits_processor=None, **draft_params):
+                         logits_processor=None, compare: bool = False, **draft_params):
     """Generate with the model drafting for itself from a cheap view of its own KVPressCache.
 
     draft: "sink_window" (sinks + window, MagicDec's StreamingLLM-style view), "retrieval" (TriForce chunks),
@@ -212,6 +222,8 @@ def speculative_generate(model, input_ids, attention_mask=None, *, draft="sink_w
     the target's and the draft's logits at every position, given the ids before it, before temperature and top-p, so
     greedy picks and the sampling rule (lossless with respect to the processed distribution) follow it. It must be a
     function of its arguments: it also sees the positions of drafts that are rejected.
+    compare=True: then decode as many tokens plainly (one forward per token, over a copy of the same prefilled
+    cache) and put that time in the stats (plain_decode_s, speedup, plain_matches): whether speculation paid.
     Returns the ids [B, prompt + new] like `generate`: it stops once every row has produced EOS, rows that finished
     earlier padded. return_stats=True returns (ids, SpeculativeStats): acceptance and the time split (prefill_s,
     draft_s, verify_s, total_s, decode_tokens_per_s); kvpress.speculative.last_stats(model) returns the same
@@ -221,6 +233,8 @@ def speculative_generate(model, input_ids, attention_mask=None, *, draft="sink_w
         print(stats.acceptance_rate, stats.tokens_per_round, stats.decode_tokens_per_s)"""
     _check(draft, gamma, max_new_tokens, do_sample, temperature, top_p, draft_budget)
     _check_ids(input_ids, attention_mask)
+    if not isinstance(compare, bool):
+        raise ValueError(f"compare={compare!r}; allowed values: True or False")
     if logits_processor is not None and not callable(logits_processor):
         raise ValueError(f"logits_processor={logits_processor!r:.60}; allowed values: None, or a callable (ids, logits) "
                          f"-> logits such as transformers' LogitsProcessorList")
@@ -237,11 +251,11 @@ def speculative_generate(model, input_ids, attention_mask=None, *, draft="sink_w
     with contextlib.nullcontext(caller_patch) if caller_patch else patched_for_call(model, target_policy) as patch:
         view = view.for_model(patch.model_info())  # e.g. lserve's streaming heads, from the calibration
         return _loop(model, patch.policy, input_ids, mask, view, gamma, max_new_tokens, do_sample, temperature,
-                     top_p, eos_token_id, pad_token_id, generator, return_stats, cache, logits_processor)
+                     top_p, eos_token_id, pad_token_id, generator, return_stats, cache, logits_processor, compare)
 
 
 def _loop(model, policy, input_ids, prompt_mask, view, gamma, max_new_tokens, do_sample, temperature, top_p,
-          eos_token_id, pad_token_id, generator, return_stats, given, processor):
+          eos_token_id, pad_token_id, generator, return_stats, given, processor, compare):
     device = input_ids.device
     start = clock(device)
     batch, prompt_len = input_ids.shape
@@ -254,12 +268,13 @@ def _loop(model, policy, input_ids, prompt_mask, view, gamma, max_new_tokens, do
                        dtype=torch.long, device=input_ids.device)  # isin needs both on one device
     pad = pad_token_id if pad_token_id is not None else (int(eos[0]) if len(eos) else 0)
 
-    def forward(tokens):
+    def forward(tokens, on=None):
+        on = cache if on is None else on
         q = tokens.shape[1]
-        grown = cache.get_seq_length() + q - prompt_len
+        grown = on.get_seq_length() + q - prompt_len
         mask = torch.cat([prompt_mask, prompt_mask.new_ones(batch, grown)], 1)
         positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)[:, -q:]
-        return model(tokens, **with_cache(model, cache, attention_mask=mask, position_ids=positions)).logits
+        return model(tokens, **with_cache(model, on, attention_mask=mask, position_ids=positions)).logits
 
     def processed(logits, before):
         """logits [B, V] of the token after the ids `before` [B, n], as the caller's processor leaves them."""
@@ -271,6 +286,7 @@ def _loop(model, policy, input_ids, prompt_mask, view, gamma, max_new_tokens, do
     stats = SpeculativeStats()
     token, _ = pick(forward(input_ids[:, cache.get_seq_length():])[:, -1], input_ids)
     stats.prefill_s = clock(device) - start
+    baseline = cache.fork() if compare else None  # the prefilled cache, for the plain decoding compared with
     out = [token[:, None]]
     finished = torch.isin(token, eos)
     produced = 1
@@ -335,13 +351,21 @@ def _loop(model, policy, input_ids, prompt_mask, view, gamma, max_new_tokens, do
     result = torch.cat([input_ids, new], 1)
     stats.emitted = new.shape[1]
     stats.total_s = clock(device) - start
+    if baseline is not None:  # plain decoding of the same number of tokens, after the prefill's first one
+        plain, tick = new[:, :1], clock(device)
+        for _ in range(1, new.shape[1]):
+            before = torch.cat([input_ids, plain], 1) if processor is not None else None
+            plain = torch.cat([plain, pick(forward(plain[:, -1:], baseline)[:, -1], before)[0][:, None]], 1)
+        stats.plain_decode_s = clock(device) - tick
+        after_eos = (hit.long().cumsum(1) - hit.long()) > 0  # padded as the speculative rows are
+        stats.plain_matches = None if do_sample else bool(torch.equal(plain.masked_fill(after_eos, pad), new))
     with _LAST_LOCK:
         _LAST[model] = stats
     return (result, stats) if return_stats else result
 
 
 def custom_generate(model, input_ids, logits_processor=None, stopping_criteria=None, generation_config=None,
-                    draft="sink_window", gamma=4, draft_budget=None, **model_kwargs):
+                    draft="sink_window", gamma=4, draft_budget=None, compare=False, **model_kwargs):
     """`model.generate(..., custom_generate=kvpress.speculative.custom_generate, draft=..., gamma=...)`.
     Uses the generation config's max length, EOS and pad tokens, and the logits processors generate prepared from it
     (repetition penalty, n-gram bans, bad words, min_new_tokens, and when sampling temperature, top-k and top-p),
@@ -367,5 +391,5 @@ def custom_generate(model, input_ids, logits_processor=None, stopping_criteria=N
         max_new_tokens=config.max_length - input_ids.shape[1], do_sample=bool(config.do_sample),
         draft_budget=draft_budget, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id, cache=past,
         # (the processors generate prepared hold its temperature, top-k and top-p warpers when it samples)
-        logits_processor=logits_processor if logits_processor else None,
+        logits_processor=logits_processor if logits_processor else None, compare=compare,
     )

@@ -71,7 +71,8 @@ TINY_CONFIGS = [
     ("kvzip", "kvzip", dict(compression_ratio=0.6, chunk_size=16, tokenizer=TOK), {}),
     ("kvzip+gear", "kvzip+gear", dict(Q, compression_ratio=0.5, chunk_size=16, tokenizer=TOK), {}),
     ("kvzip_chunked", "kvzip", dict(compression_ratio=0.6, chunk_size=16, tokenizer=TOK), dict(prefill_chunk_size=32)),
-    ("expected_attention", "expected_attention", dict(compression_ratio=0.6, n_future_positions=32), {}),
+    ("expected_attention", "expected_attention", dict(compression_ratio=0.6, n_future_positions=32,
+                                                      use_covariance=True), {}),  # (its default when recorded)
     ("keydiff", "keydiff", dict(compression_ratio=0.6), {}),
 ]
 DRAFTS = [("sink_window", {}), ("quest", dict(page_size=8)), ("retrieval", dict(chunk_size=8, recent=8)),
@@ -90,12 +91,13 @@ SMOL_CONFIGS = [
     ("kvzap", "kvzap", dict(compression_ratio=0.75)),  # kvzap and duo_attention: the shipped calibration
     ("duo_attention", "duo_attention", dict(streaming_heads=0.5)),
     ("kvzip", "kvzip", dict(compression_ratio=0.75, tokenizer=MODEL_TOKENIZER)),
-    ("expected_attention", "expected_attention", dict(compression_ratio=0.75)),
+    ("expected_attention", "expected_attention", dict(compression_ratio=0.75, use_covariance=True)),
     ("keydiff", "keydiff", dict(compression_ratio=0.75)),
 ]
 # evals/engine.py specs, each at every ratio of ENGINE_RATIOS if it evicts: the batches it forms (prefill-only
 # rectangular, prefill-only flat, decode-time evictors under Rows, alone: low-bit, own schedule)
-ENGINE_POLICIES = ["none", "snapkv", "knorm", "h2o", "tova", "streaming_llm", "expected_attention", "keydiff",
+ENGINE_POLICIES = ["none", "snapkv", "knorm", "h2o", "tova", "streaming_llm", "expected_attention:use_covariance=True",
+                   "keydiff",
                    "h2o:slack=3"]
 ENGINE_TINY = ["kivi:group_size=16:residual_length=16", "snapkv+kivi:group_size=16:residual_length=16",
                "snapkv:budget_allocation=adaptive:window_size=8"]  # head_dim 16; kvzip: no tokenizer to load
