@@ -163,7 +163,7 @@ def test_allocators_on_a_model_keep_the_same_bytes_and_the_right_totals(policy):
         extra = dict(window_size=8) if policy == "snapkv" else {}
         with kvpress.patch_model(model, policy, compression_ratio=0.8, budget_allocation=allocation, **extra):
             cache = KVPressCache(model.config)
-            model(ids, past_key_values=cache)
+            model(ids, cache=cache)
         kept[allocation] = torch.stack([layer.tokens_per_head()[0] for layer in cache.layers])  # [layers, heads]
         kv[allocation] = sum(layer.kv_nbytes() for layer in cache.layers)
         bytes_per_token = 2 * 16 * 4
@@ -187,7 +187,7 @@ def test_pyramid_spreads_the_budget_over_full_attention_layers_only():
     ids = torch.randint(3, 128, (1, 100), generator=torch.Generator().manual_seed(6))
     with kvpress.patch_model(model, "snapkv", compression_ratio=0.8, budget_allocation="pyramid", window_size=4):
         cache = KVPressCache(model.config)
-        model(ids, past_key_values=cache)
+        model(ids, cache=cache)
     kept = [int(layer.tokens_per_head().max()) for _, layer in cache.kvpress_layers()]
     assert sum(kept) == 2 * 20 and kept[0] > kept[1]
 
@@ -199,10 +199,10 @@ def test_adaptive_decode_matches_dense_attention_over_the_kept_tokens():
     ids = torch.randint(3, 128, (1, 80), generator=torch.Generator().manual_seed(1))
     with kvpress.patch_model(model, "snapkv", compression_ratio=0.7, budget_allocation="adaptive", window_size=4):
         cache = KVPressCache(model.config)
-        out = model(ids, past_key_values=cache)
+        out = model(ids, cache=cache)
         assert any(layer.is_flat for layer in cache.layers)
         nxt = out.logits[:, -1:].argmax(-1)
-        logits = model(nxt, past_key_values=cache).logits[:, -1]
+        logits = model(nxt, cache=cache).logits[:, -1]
     # reference: prompt + next token through the stock model; the prompt's own queries see every earlier token
     # (prefill is exact), the new token's query sees only what each head kept
     masks = []
@@ -251,13 +251,13 @@ def test_chunked_prefill_never_holds_more_than_budget_plus_one_chunk():
     with record_held_tokens() as peak, kvpress.patch_model(model, "snapkv", compression_ratio=0.9, window_size=8,
                                                              prefill_chunk_size=chunk):
         cache = KVPressCache(model.config)
-        model(ids, past_key_values=cache)
+        model(ids, cache=cache)
     assert len(peak) == 2 * 6  # 2 layers x 6 chunks
     assert max(peak) <= budget + chunk
     assert all(int(layer.tokens_per_head().max()) == budget for layer in cache.layers)
     # logits of the whole prompt are returned when the caller asks for them (logits_to_keep=0)
     with kvpress.patch_model(model, "snapkv", compression_ratio=0.9, window_size=8, prefill_chunk_size=chunk):
-        out = model(ids, past_key_values=KVPressCache(model.config), logits_to_keep=0)
+        out = model(ids, cache=KVPressCache(model.config), logits_to_keep=0)
         assert out.logits.shape[1] == 300
 
 
@@ -279,7 +279,7 @@ def test_chunked_eviction_computes_each_chunk_over_exactly_what_earlier_chunks_k
     with kvpress.patch_model(model, "snapkv", compression_ratio=0.7, window_size=8, prefill_chunk_size=chunk,
                              **extra), torch.no_grad():
         cache = KVPressCache(model.config)
-        logits = [model(ids, past_key_values=cache, logits_to_keep=0).logits[0]]
+        logits = [model(ids, cache=cache, logits_to_keep=0).logits[0]]
         kept = [torch.zeros(length, dtype=torch.bool).index_fill_(0, layer.key_positions()[0, h][valid].long(), True)
                 for layer in cache.layers for h, valid in enumerate(layer.key_valid()[0])]
         assert all(torch.equal(k, kept[0]) for k in kept) and int(kept[0].sum()) == length - int(length * 0.7)
@@ -287,7 +287,7 @@ def test_chunked_eviction_computes_each_chunk_over_exactly_what_earlier_chunks_k
         for _ in range(n_new):
             step = logits[-1][-1:].argmax(-1, keepdim=True)
             tokens = torch.cat([tokens, step], 1)
-            logits.append(model(step, past_key_values=cache).logits[0])
+            logits.append(model(step, cache=cache).logits[0])
     total = tokens.shape[1]
     allowed = torch.ones(total, total, dtype=torch.bool).tril()
     seen_kept = torch.ones(total, dtype=torch.bool)
@@ -310,10 +310,10 @@ def test_decode_budget_holds_over_1000_generated_tokens(slack):
     prefill_budget, decode_budget = 25, 40
     with kvpress.patch_model(model, "h2o", compression_ratio=0.75, decode_budget=decode_budget, slack=slack):
         cache = KVPressCache(model.config)
-        logits = model(ids, past_key_values=cache).logits[:, -1]
+        logits = model(ids, cache=cache).logits[:, -1]
         worst = 0
         for _ in range(1000):
-            logits = model(logits.argmax(-1, keepdim=True), past_key_values=cache).logits[:, -1]
+            logits = model(logits.argmax(-1, keepdim=True), cache=cache).logits[:, -1]
             worst = max(worst, max(int(layer.tokens_per_head().max()) for layer in cache.layers))
     assert worst == prefill_budget + decode_budget + slack
     for layer in cache.layers:
@@ -389,7 +389,7 @@ def test_per_head_budgets_compose_with_a_codec_in_flat_low_bit_storage():
     with kvpress.patch_model(model, "snapkv+kivi", compression_ratio=0.5, budget_allocation="adaptive",
                              window_size=8, **kivi):
         cache = KVPressCache(model.config)
-        model(ids, past_key_values=cache)
+        model(ids, cache=cache)
         differ = False
         for layer in cache.layers:
             low, fp = layer.segments[0], layer.segments[1]
@@ -404,7 +404,7 @@ def test_per_head_budgets_compose_with_a_codec_in_flat_low_bit_storage():
             assert codes.k_codes.shape[2] == int(low.lengths.sum()) and fp.data.keys.shape[2] == int(fp.lengths.sum())
         assert differ, "heads should keep different counts here"
         held = _held(cache)
-        got = model(nxt, past_key_values=cache).logits[:, -1]
+        got = model(nxt, cache=cache).logits[:, -1]
     torch.testing.assert_close(got, _reference_last_token_logits(model, ids, nxt, held), atol=1e-4, rtol=1e-4)
 
 
@@ -428,7 +428,7 @@ def test_masked_attention_in_query_blocks_equals_one_block(monkeypatch):
     for rows in (read_module.MASK_ROWS, 10**9):
         monkeypatch.setattr(read_module, "MASK_ROWS", rows)
         with kvpress.patch_model(model, "snapkv", compression_ratio=0.5, window_size=8, prefill_chunk_size=300):
-            outs.append(model(ids, past_key_values=KVPressCache(model.config), logits_to_keep=0).logits)
+            outs.append(model(ids, cache=KVPressCache(model.config), logits_to_keep=0).logits)
     assert outs[0].shape[1] == 700
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
 

@@ -125,7 +125,7 @@ def test_kvzap_keeps_each_heads_top_predicted_slots(llama_file, window):
     options = {} if window is None else dict(window=window)
     with kvpress.patch_model(model, "kvzap", compression_ratio=0.6, budget_allocation="uniform",
                              calibration=str(llama_file), **options), torch.no_grad():
-        model(ids, past_key_values=cache)
+        model(ids, cache=cache)
     budget, window = 90 - math.floor(90 * 0.6), 128 if window is None else window
     for rank, layer_idx in enumerate(calibration.layers):
         predicted = inputs[layer_idx][0].float() @ calibration.tensors["weight"][rank] + calibration.tensors["bias"][rank]
@@ -143,7 +143,7 @@ def test_kvzap_global_budget_bytes_decode_and_codec(llama_file):
     params = dict(compression_ratio=0.75, calibration=str(llama_file))
     cache = KVPressCache(model.config)
     with kvpress.patch_model(model, "kvzap", **params), torch.no_grad():
-        model(ids, past_key_values=cache)
+        model(ids, cache=cache)
     kept = [layer.tokens_per_head() for _, layer in cache.kvpress_layers()]  # [B, Hkv] per layer
     per_row = sum(k.sum(-1) for k in kept)
     assert per_row.tolist() == [25 * 2 * 2]  # budget x layers x KV heads, spread unevenly
@@ -162,7 +162,7 @@ def test_kvzap_global_budget_bytes_decode_and_codec(llama_file):
     # a protected window: every head of every layer keeps the newest 8 tokens, within the same total
     windowed = KVPressCache(model.config)
     with kvpress.patch_model(model, "kvzap", window=8, **params), torch.no_grad():
-        model(ids, past_key_values=windowed)
+        model(ids, cache=windowed)
     assert sum(layer.tokens_per_head().sum(-1) for _, layer in windowed.kvpress_layers()).tolist() == [25 * 2 * 2]
     for _, layer in windowed.kvpress_layers():
         for head in range(2):
@@ -183,7 +183,7 @@ def test_decode_budget_on_the_tail_alone_keeps_what_the_whole_view_keeps(llama_f
     def run():
         cache = KVPressCache(model.config)
         with kvpress.patch_model(model, policy, **params), torch.no_grad():
-            tokens = greedy(model, ids, 40, past_key_values=cache)
+            tokens = greedy(model, ids, 40, cache=cache)
         kept = [sorted(layer.key_positions()[0, h][layer.key_valid()[0, h]].tolist())
                 for _, layer in cache.kvpress_layers() for h in range(layer.num_kv_heads)]
         return tokens, kept, cache.nbytes()
@@ -212,7 +212,7 @@ def test_head_split_streaming_heads_keep_sinks_and_window(llama_file):
     cache = KVPressCache(model.config)
     with kvpress.patch_model(model, "duo_attention", streaming_heads=0.5, window=16, slack=8,
                              calibration=str(llama_file)), torch.no_grad():
-        model(ids, attention_mask=mask, past_key_values=cache)
+        model(ids, attention_mask=mask, cache=cache)
         n_real = [120, 110]
         for layer_idx in calibration.layers:
             layer = cache.layers[layer_idx]
@@ -223,14 +223,14 @@ def test_head_split_streaming_heads_keep_sinks_and_window(llama_file):
                     expected = real[:4] + real[-16:] if streaming[layer_idx][h] else real
                     assert kept == expected, (layer_idx, b, h)
         alone = KVPressCache(model.config)
-        model(ids[:1], past_key_values=alone)  # bytes: one row (a padded row gets filler slots, see layer.py)
+        model(ids[:1], cache=alone)  # bytes: one row (a padded row gets filler slots, see layer.py)
         held = sum(layer.kv_nbytes() for _, layer in alone.kvpress_layers())
         assert held == sum(int(layer.tokens_per_head().sum()) for _, layer in alone.kvpress_layers()) * 2 * 16 * 4
         # decoding: a streaming head is cut back to sinks + window once it holds `slack` more
         out = ids
         for step in range(20):
             logits = model(out[:, -1:], attention_mask=torch.cat([mask, mask.new_ones(2, step + 1)], 1),
-                           past_key_values=cache).logits
+                           cache=cache).logits
             out = torch.cat([out, logits[:, -1:].argmax(-1)], 1)
             for layer_idx in calibration.layers:
                 counts = cache.layers[layer_idx].tokens_per_head()
@@ -267,7 +267,7 @@ def test_an_appended_question_changes_nothing_when_nothing_is_evicted(arch):
         assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False), stock)
     with kvpress.patch_model(model, "none", prefill_chunk_size=40):
         cache = KVPressCache(model.config, question_ids=torch.randint(3, 128, (2, 10)))
-        out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=8, do_sample=False)
+        out = model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=8, do_sample=False)
         assert torch.equal(out, stock)
 
 
@@ -284,7 +284,7 @@ def test_a_known_question_votes_in_every_chunk_and_is_never_kept(source):
         cache = KVPressCache(model.config, question_ids=question if name == "question" and source == "ids" else None)
         with record_held_tokens() as peak, kvpress.patch_model(model, "snapkv", compression_ratio=0.5, window_size=8,
                                                                prefill_chunk_size=40, **kwargs), torch.no_grad():
-            model(ids, past_key_values=cache)
+            model(ids, cache=cache)
         assert max(peak) <= 80 + 40 + 12
         for _, layer in cache.kvpress_layers():
             assert layer.seen == 160 and layer.tokens_per_head().tolist() == [[80, 80]]
@@ -305,11 +305,11 @@ def test_question_inputs_are_checked():
     ids = torch.randint(3, 128, (1, 30))
     with kvpress.patch_model(model, "snapkv", compression_ratio=0.5):  # one-shot: the question would be ignored
         with pytest.raises(ValueError, match="prefill_chunk_size"):
-            model(ids, past_key_values=KVPressCache(model.config, question_ids=ids[:, -5:]))
+            model(ids, cache=KVPressCache(model.config, question_ids=ids[:, -5:]))
     with kvpress.patch_model(model, "none", prefill_chunk_size=64):  # a prompt shorter than a chunk still hears it
         cache = KVPressCache(model.config, question_ids=torch.randint(3, 128, (1, 5)))
         with record_held_tokens() as held:
-            model(ids, past_key_values=cache)
+            model(ids, cache=cache)
         assert max(held) == 30 + 5 and cache.get_seq_length() == 30
 
 
@@ -327,9 +327,9 @@ def test_kvzap_left_padded_row_keeps_what_it_keeps_alone(llama_file, allocation)
     params = dict(compression_ratio=0.6, budget_allocation=allocation, calibration=str(llama_file))
     with kvpress.patch_model(model, "kvzap", **params):
         batch_cache, alone_cache = KVPressCache(model.config), KVPressCache(model.config)
-        batched = model.generate(ids, attention_mask=mask, past_key_values=batch_cache, max_new_tokens=5,
+        batched = model.generate(ids, attention_mask=mask, cache=batch_cache, max_new_tokens=5,
                                  min_new_tokens=5, do_sample=False)
-        alone = model.generate(short, attention_mask=torch.ones_like(short), past_key_values=alone_cache,
+        alone = model.generate(short, attention_mask=torch.ones_like(short), cache=alone_cache,
                                max_new_tokens=5, min_new_tokens=5, do_sample=False)
     assert batched[1, 90:].tolist() == alone[0, 77:].tolist()
     for (_, b), (_, a) in zip(batch_cache.kvpress_layers(), alone_cache.kvpress_layers()):

@@ -46,7 +46,7 @@ def stock_cache(model, ids_list, positions_list):
     with torch.no_grad():
         for ids, positions in zip(ids_list, positions_list):
             c = DynamicCache(config=model.config)
-            model(torch.tensor([ids]), position_ids=torch.tensor([positions]), past_key_values=c)
+            model(torch.tensor([ids]), position_ids=torch.tensor([positions]), cache=c)
             caches.append(c)
     out = DynamicCache(config=model.config)
     for i in range(model.config.num_hidden_layers):
@@ -61,7 +61,7 @@ def stock_greedy(model, cache, ids, first_position, n):
     held, out, x, position = cache.get_seq_length(), [], torch.tensor([ids]), first_position
     with torch.no_grad():
         for _ in range(n):
-            logits = model(x, past_key_values=cache, position_ids=torch.arange(position, position + x.shape[1])[None],
+            logits = model(x, cache=cache, position_ids=torch.arange(position, position + x.shape[1])[None],
                            attention_mask=torch.ones(1, held + x.shape[1], dtype=torch.long)).logits[:, -1]
             held, position = held + x.shape[1], position + x.shape[1]
             out.append(int(logits.argmax(-1)))

@@ -180,7 +180,7 @@ def test_a_decode_step_reads_the_keys_and_values_the_definition_decodes(llama_fi
     stages = 2
     with torch.no_grad():
         reference = DynamicCache(config=model.config)
-        model(ids, past_key_values=reference, use_cache=True)
+        model(ids, cache=reference, use_cache=True)
         for layer_idx, layer in enumerate(reference.layers):
             for kind, tensor in (("keys", layer.keys), ("values", layer.values)):
                 for h in range(tensor.shape[1]):
@@ -188,14 +188,14 @@ def test_a_decode_step_reads_the_keys_and_values_the_definition_decodes(llama_fi
                     words = [_all_codewords(tables[0, s]) for s in range(tables.shape[1])]
                     for t in range(CODED):
                         tensor[0, h, t] = _coded(tensor[0, h, t], words, t if kind == "keys" else None).float()
-        expected = model(nxt, past_key_values=reference, use_cache=True).logits
+        expected = model(nxt, cache=reference, use_cache=True).logits
         with kvpress.patch_model(model, policy="commvq", calibration=str(llama_file), key_stages=stages,
                                  value_stages=stages + 1, residual_length=8, block_size=8):
             cache = kvpress.KVPressCache(model.config)
-            model(ids, past_key_values=cache, use_cache=True)
+            model(ids, cache=cache, use_cache=True)
             layer = cache.layers[0]
             assert layer.quantized_len == CODED
-            got = model(nxt, past_key_values=cache, use_cache=True).logits
+            got = model(nxt, cache=cache, use_cache=True).logits
     assert torch.allclose(got, expected, atol=1e-4)
 
 
@@ -212,7 +212,7 @@ def test_bytes_held_are_the_codes_and_norms(llama_file):
                                                   key_stages=key_stages, value_stages=value_stages,
                                                   residual_length=8, block_size=8):
             cache = kvpress.KVPressCache(model.config)
-            model(ids, past_key_values=cache, use_cache=True)
+            model(ids, cache=cache, use_cache=True)
         codes = [s.data for _, layer in cache.kvpress_layers() for s in layer.segments if s.low_bit]
         slots = sum(c.num_slots * c.batch_heads[1] for c in codes)
         per_slot = 3 * ((key_stages + value_stages + 1) // 2) + 2 * 2

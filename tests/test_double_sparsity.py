@@ -127,7 +127,7 @@ def test_a_budget_over_the_context_generates_the_plain_tokens(llama_file):
     model, ids = tiny_model(), torch.randint(3, 128, (1, 60), generator=torch.Generator().manual_seed(5))
     plain = greedy(model, ids, 8)
     with kvpress.patch_model(model, "double_sparsity", budget=100, group_factor=4, calibration=str(llama_file)):
-        assert greedy(model, ids, 8, past_key_values=KVPressCache(model.config)).tolist() == plain.tolist()
+        assert greedy(model, ids, 8, cache=KVPressCache(model.config)).tolist() == plain.tolist()
 
 
 def test_a_calibration_without_label_channels_is_refused_with_the_command(llama_file, tmp_path):

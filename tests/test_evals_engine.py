@@ -42,9 +42,9 @@ def _alone(model, config, ids, question, n):
         full = ids
         if question is not None:  # query-agnostic: compress the context, then extend with the question
             with torch.no_grad():
-                model(input_ids=ids, past_key_values=cache)
+                model(input_ids=ids, cache=cache)
             full = torch.cat([ids, question], 1)
-        out = model.generate(full, attention_mask=torch.ones_like(full), past_key_values=cache, max_new_tokens=n,
+        out = model.generate(full, attention_mask=torch.ones_like(full), cache=cache, max_new_tokens=n,
                              do_sample=False)
     return out[0, full.shape[1]:].tolist()
 
@@ -85,7 +85,7 @@ def _assert_same_as_plain_prefill(model, ids, pre, configs):
     for config in configs:
         cache = kvpress.KVPressCache(model.config)
         with kvpress.patch_model(model, config.make()), torch.no_grad():
-            model(input_ids=ids, past_key_values=cache)
+            model(input_ids=ids, cache=cache)
         for mine, ref in zip(pre.caches[config].layers, cache.layers):
             assert torch.equal(mine.key_positions(), ref.key_positions()), config
             assert torch.equal(mine.key_valid(), ref.key_valid()), config

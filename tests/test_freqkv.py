@@ -77,10 +77,10 @@ def test_the_prompt_is_merged_as_the_definition_says(n_sink, recent, ratio):
     ids = torch.randint(3, 120, (1, 61), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         reference = DynamicCache(config=model.config)
-        model(ids, past_key_values=reference, use_cache=True)
+        model(ids, cache=reference, use_cache=True)
         with kvpress.patch_model(model, policy="freqkv", budget=24, n_sink=n_sink, recent=recent, ratio=ratio):
             cache = kvpress.KVPressCache(model.config)
-            model(ids, past_key_values=cache, use_cache=True)
+            model(ids, cache=cache, use_cache=True)
     for ref, (_, layer) in zip(reference.layers, cache.kvpress_layers()):
         keys, values, positions = _definition(ref.keys[0], ref.values[0], 24, n_sink, recent, ratio)
         assert layer.key_valid().all() and layer.view_width == positions.numel() <= 24
@@ -98,7 +98,7 @@ def test_a_decode_step_reads_the_definitions_keys_at_cache_local_positions(cache
     nxt = torch.tensor([[7]])
     with torch.no_grad():
         reference = DynamicCache(config=model.config)
-        model(ids, past_key_values=reference, use_cache=True)
+        model(ids, cache=reference, use_cache=True)
         merged = DynamicCache(config=model.config)
         for layer_idx, ref in enumerate(reference.layers):
             keys, values, positions = _definition(ref.keys[0], ref.values[0], 20, 4, 0, 0.5)
@@ -106,12 +106,12 @@ def test_a_decode_step_reads_the_definitions_keys_at_cache_local_positions(cache
             target = torch.arange(50 - n, 50) if cache_local else positions  # the query sits at 50
             keys = torch.stack([_rope(k, target - positions) for k in keys])  # re-rotate by the offset
             merged.update(keys[None].float(), values[None].float(), layer_idx)
-        expected = model(nxt, past_key_values=merged, use_cache=True, position_ids=torch.tensor([[50]]),
+        expected = model(nxt, cache=merged, use_cache=True, position_ids=torch.tensor([[50]]),
                          attention_mask=torch.ones(1, n + 1, dtype=torch.long)).logits
         with kvpress.patch_model(model, policy="freqkv", budget=20, cache_local_positions=cache_local):
             cache = kvpress.KVPressCache(model.config)
-            model(ids, past_key_values=cache, use_cache=True)
-            got = model(nxt, past_key_values=cache, use_cache=True).logits
+            model(ids, cache=cache, use_cache=True)
+            got = model(nxt, cache=cache, use_cache=True).logits
     assert torch.allclose(got, expected, atol=1e-4)
 
 

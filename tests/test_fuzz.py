@@ -73,7 +73,7 @@ def test_random_parameters_are_refused_cleanly_or_run_sanely(name, llama_file):
             continue
         with patch, torch.no_grad():
             cache = KVPressCache(model.config)
-            out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=NEW,
+            out = model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=NEW,
                                  min_new_tokens=NEW, do_sample=False)
         assert out.shape == (2, ids.shape[1] + NEW) and bool(((out >= 0) & (out < 128)).all()), params
         for _, layer in cache.kvpress_layers():

@@ -69,7 +69,7 @@ def test_a_range_that_fits_the_budget_is_read_whole_and_generates_the_plain_toke
     model, ids = tiny_model(), torch.randint(3, 128, (1, 50), generator=torch.Generator().manual_seed(6))
     plain = greedy(model, ids, 8)
     with kvpress.patch_model(model, "hip", budget=100, n_sink=4, window=16):
-        assert greedy(model, ids, 8, past_key_values=KVPressCache(model.config)).tolist() == plain.tolist()
+        assert greedy(model, ids, 8, cache=KVPressCache(model.config)).tolist() == plain.tolist()
 
 
 def test_decoding_reads_at_most_the_budget_per_head():

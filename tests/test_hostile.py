@@ -41,7 +41,7 @@ def prefill(call, ids, **kwargs):
     """A fresh cache after one prompt forward `call(ids, cache)` (no autograd)."""
     cache = KVPressCache(kwargs.pop("config"))
     with torch.no_grad():
-        call(input_ids=ids, past_key_values=cache, **kwargs)
+        call(input_ids=ids, cache=cache, **kwargs)
     return cache
 
 
@@ -81,7 +81,7 @@ def test_streaming_llm_window_sets_the_capacity():
     with kvpress.patch_model(model, "streaming_llm", n_sink=4, window=8):
         cache = KVPressCache(model.config)
         with torch.no_grad():
-            model(prompt(40), past_key_values=cache)
+            model(prompt(40), cache=cache)
     for _, layer in cache.kvpress_layers():
         assert layer.tokens_per_head().tolist() == [[12, 12]]
         assert layer.key_positions().sort(dim=-1).values[0, 0].tolist() == [0, 1, 2, 3, *range(32, 40)]
@@ -144,7 +144,7 @@ def test_the_inner_model_prefills_in_chunks():
         outer = prefill(model, ids, config=model.config)
         with record_held_tokens() as held:
             inner = prefill(model.model, ids, config=model.config)
-            hidden = model.model(ids, past_key_values=KVPressCache(model.config)).last_hidden_state
+            hidden = model.model(ids, cache=KVPressCache(model.config)).last_hidden_state
     assert max(held) <= 20 + 16  # budget + one chunk
     assert kept(inner) == kept(outer)
     assert hidden.shape == (1, 80, 64)  # every position's hidden state, as the decoder returns them
@@ -158,10 +158,10 @@ def test_kvzip_with_inputs_embeds_is_refused_before_the_cache_changes():
     with kvpress.patch_model(model, "kvzip", compression_ratio=0.75, tokenizer=TOK):
         cache = KVPressCache(model.config)
         with pytest.raises(ValueError, match=r"inputs_embeds: kvzip\(.*\) reads the prompt's token ids"):
-            model(inputs_embeds=model.model.embed_tokens(ids), past_key_values=cache)
+            model(inputs_embeds=model.model.embed_tokens(ids), cache=cache)
         assert cache.get_seq_length() == 0 and all(not layer.is_initialized for layer in cache.layers)
         with torch.no_grad():
-            model(ids, past_key_values=cache)
+            model(ids, cache=cache)
         assert kept(cache) == kept(prefill(model, ids, config=model.config))
 
 
@@ -178,17 +178,17 @@ def test_a_prompt_forward_that_fails_leaves_the_cache_empty_and_a_decode_step_le
         handle = model.model.layers[1].register_forward_pre_hook(second_layer_fails)
         cache = KVPressCache(model.config)
         with pytest.raises(RuntimeError, match="injected"):  # layer 0 appended the prompt, layer 1 never ran
-            model(ids, past_key_values=cache)
+            model(ids, cache=cache)
         assert cache.get_seq_length() == 0 and all(not layer.is_initialized for layer in cache.layers)
         fail["armed"] = False
-        model(ids, past_key_values=cache)  # a prompt again: compressed like a fresh cache
+        model(ids, cache=cache)  # a prompt again: compressed like a fresh cache
         assert kept(cache) == kept(prefill(model, ids, config=model.config))
         fail["armed"] = True
         with pytest.raises(RuntimeError, match="injected"):  # a decode step: layer 0 appended its token
-            model(ids[:, :1], past_key_values=cache)
+            model(ids[:, :1], cache=cache)
         fail["armed"] = False
         with pytest.raises(ValueError, match=r"cache: a forward on this cache raised .*; allowed values: a new"):
-            model(ids[:, :1], past_key_values=cache)
+            model(ids[:, :1], cache=cache)
         handle.remove()
 
 
@@ -341,10 +341,10 @@ def test_a_cache_built_from_another_models_config_is_refused_before_anything_run
         cache = KVPressCache(gemma.config)
         with pytest.raises(ValueError, match=r"cache: a KVPressCache built for another model's layers .* allowed "
                                              r"values: KVPressCache\(model.config\)"):
-            model(ids, past_key_values=cache)
+            model(ids, cache=cache)
         assert all(not getattr(layer, "is_initialized", False) for layer in cache.layers)
         same = KVPressCache(model.config)
-        torch.testing.assert_close(model(ids, past_key_values=same).logits, model(ids).logits)
+        torch.testing.assert_close(model(ids, cache=same).logits, model(ids).logits)
 
 
 # ---------------------------------------------------------------------------- 5: parameters changed under a patch
@@ -379,7 +379,7 @@ def test_output_attentions_under_a_patch_is_refused_not_empty():
     with kvpress.patch_model(model, "none"):
         cache = KVPressCache(model.config)
         with pytest.raises(ValueError, match=r"output_attentions=True: .* returns no attention weights"):
-            model(ids, past_key_values=cache, output_attentions=True)
+            model(ids, cache=cache, output_attentions=True)
         assert cache.get_seq_length() == 0
         with pytest.raises(ValueError, match=r"output_attentions=True"):
             model.generate(ids, max_new_tokens=2, output_attentions=True, return_dict_in_generate=True)
@@ -394,7 +394,7 @@ def test_hidden_states_of_a_chunked_prompt_are_refused_not_cut():
     with kvpress.patch_model(model, "snapkv", compression_ratio=0.5, window_size=4, prefill_chunk_size=16):
         cache = KVPressCache(model.config)
         with pytest.raises(ValueError, match=r"output_hidden_states=True with prefill_chunk_size"):
-            model(prompt(40), past_key_values=cache, output_hidden_states=True)
+            model(prompt(40), cache=cache, output_hidden_states=True)
         assert cache.get_seq_length() == 0
 
 
@@ -433,12 +433,12 @@ def test_a_prefill_without_no_grad_stores_no_autograd_history(arch, policy, para
     ids = prompt(64)
     with kvpress.patch_model(model, policy, **params):
         cache = KVPressCache(model.config)
-        model(ids, past_key_values=cache)  # gradients enabled
-        model(ids[:, :1], past_key_values=cache)  # and a decode step
+        model(ids, cache=cache)  # gradients enabled
+        model(ids[:, :1], cache=cache)  # and a decode step
         reference = KVPressCache(model.config)
         with torch.no_grad():
-            model(ids, past_key_values=reference)
-            model(ids[:, :1], past_key_values=reference)
+            model(ids, cache=reference)
+            model(ids[:, :1], cache=reference)
     stored = tensors_in(cache)
     assert stored and not any(t.requires_grad or t.grad_fn is not None for t in stored)
     assert kept(cache) == kept(reference)
@@ -449,9 +449,9 @@ def test_a_prefill_without_no_grad_stores_no_autograd_history(arch, policy, para
 def decoded(model, ids, steps, cache):
     """`cache` after the prompt and `steps` greedy decode steps (no autograd)."""
     with torch.no_grad():
-        logits = model(ids, past_key_values=cache).logits
+        logits = model(ids, cache=cache).logits
         for _ in range(steps):
-            logits = model(logits[:, -1:].argmax(-1), past_key_values=cache).logits
+            logits = model(logits[:, -1:].argmax(-1), cache=cache).logits
     return logits
 
 

@@ -72,7 +72,7 @@ def test_decode_over_compressed_cache_equals_dense_attention_on_kept_tokens(arch
     steps = torch.randint(3, 128, (1, 4))
     with kvpress.patch_model(model, SnapKV(budget=20, window_size=4)):
         cache = KVPressCache(model.config)
-        model(ids, past_key_values=cache, attention_mask=torch.ones_like(ids))
+        model(ids, cache=cache, attention_mask=torch.ones_like(ids))
         kept = [(layer.keys_view().clone(), layer.values_view().clone()) for layer in cache.layers]
         assert all(layer.view_width == 20 and layer.explicit_positions for layer in cache.layers)
         # per-head kept sets really differ (otherwise this test would not exercise per-head storage)
@@ -80,12 +80,12 @@ def test_decode_over_compressed_cache_equals_dense_attention_on_kept_tokens(arch
         logits = []
         for i in range(steps.shape[1]):
             mask = torch.ones(1, 51 + i, dtype=torch.long)
-            logits.append(model(steps[:, i:i + 1], past_key_values=cache, attention_mask=mask).logits)
+            logits.append(model(steps[:, i:i + 1], cache=cache, attention_mask=mask).logits)
     dense = DynamicCache()
     for i, (k, v) in enumerate(kept):
         dense.update(k, v, i)
     for i in range(steps.shape[1]):
-        ref = model(steps[:, i:i + 1], past_key_values=dense, position_ids=torch.tensor([[50 + i]]),
+        ref = model(steps[:, i:i + 1], cache=dense, position_ids=torch.tensor([[50 + i]]),
                     attention_mask=torch.ones(1, 21 + i, dtype=torch.long)).logits
         torch.testing.assert_close(logits[i], ref, atol=1e-5, rtol=1e-5)
     assert sum(unmasked) == steps.shape[1] * len(cache.layers)
@@ -102,7 +102,7 @@ def test_unmasked_decode_reads_equal_masked_ones(policy, monkeypatch):
     def run():
         cache = KVPressCache(model.config)
         with kvpress.patch_model(model, policy, budget=40):
-            tokens = greedy(model, ids, 30, past_key_values=cache)
+            tokens = greedy(model, ids, 30, cache=cache)
         return tokens, [layer.key_positions() for layer in cache.layers], [layer.get_state("h2o_accumulated_attention")
                                                                           for layer in cache.layers]
 
@@ -169,9 +169,9 @@ def test_explicit_cache_and_multi_turn_reuse_match_dynamic_cache():
     turn1, turn2 = torch.randint(3, 128, (1, 20)), torch.randint(3, 128, (1, 7))
 
     def two_turns(cache):
-        out1 = greedy(model, turn1, 5, past_key_values=cache)
+        out1 = greedy(model, turn1, 5, cache=cache)
         ids2 = torch.cat([out1, turn2], dim=1)
-        return greedy(model, ids2, 5, past_key_values=cache)
+        return greedy(model, ids2, 5, cache=cache)
 
     ref = two_turns(DynamicCache(config=model.config))
     with kvpress.patch_model(model, "none"):
@@ -211,21 +211,21 @@ def test_cache_local_positions_match_contiguous_positions_reference():
     ids, nxt = torch.randint(3, 128, (1, 60)), torch.tensor([[9]])
     with kvpress.patch_model(model, StreamingLLM(n_sink=4, window=12, cache_local_positions=True)):
         cache = KVPressCache(model.config)
-        model(ids, past_key_values=cache)
+        model(ids, cache=cache)
         stored = [(layer.keys_view().clone(), layer.values_view().clone(), layer.key_positions().clone())
                   for layer in cache.layers]
-        logits = model(nxt, past_key_values=cache).logits
+        logits = model(nxt, cache=cache).logits
     dense = DynamicCache()
     for i, (k, v, pos) in enumerate(stored):
         contiguous = torch.arange(60 - 16, 60).expand_as(pos)  # 16 kept slots right behind position 60
         dense.update(rotate_keys(k, contiguous - pos, model.model.rotary_emb.inv_freq), v, i)
-    ref = model(nxt, past_key_values=dense, position_ids=torch.tensor([[60]])).logits
+    ref = model(nxt, cache=dense, position_ids=torch.tensor([[60]])).logits
     torch.testing.assert_close(logits, ref, atol=1e-5, rtol=1e-5)
     # and it differs from reading the keys at their original positions
     with kvpress.patch_model(model, StreamingLLM(n_sink=4, window=12)):
         cache = KVPressCache(model.config)
-        model(ids, past_key_values=cache)
-        assert not torch.allclose(model(nxt, past_key_values=cache).logits, ref, atol=1e-4)
+        model(ids, cache=cache)
+        assert not torch.allclose(model(nxt, cache=cache).logits, ref, atol=1e-4)
 
 
 def test_beam_search_reorders_the_compressed_cache():
@@ -237,7 +237,7 @@ def test_beam_search_reorders_the_compressed_cache():
         assert torch.equal(model.generate(ids, **kw), ref)
     with kvpress.patch_model(model, "h2o", budget=16, recent=4):
         cache = KVPressCache(model.config)
-        out = model.generate(ids, past_key_values=cache, **kw)
+        out = model.generate(ids, cache=cache, **kw)
     assert out.shape == (1, 38) and cache.layers[0].keys_view().shape[:3] == (3, 2, 16)
 
 
@@ -266,4 +266,4 @@ def test_a_module_that_misses_its_cache_raises(monkeypatch):
         read = hf.given_cache
         monkeypatch.setattr(patch, "given_cache", lambda kwargs: None if "hidden_states" in kwargs else read(kwargs))
         with pytest.raises(RuntimeError, match="ran without the KVPressCache"):
-            model(torch.randint(3, 128, (1, 16)), past_key_values=KVPressCache(model.config))
+            model(torch.randint(3, 128, (1, 16)), cache=KVPressCache(model.config))

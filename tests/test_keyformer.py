@@ -65,7 +65,7 @@ def test_without_noise_at_temperature_one_it_is_h2o():
     for name, params in [("keyformer", dict(noise=False, tau_delta=0.0, recent_ratio=0.5)), ("h2o", dict(recent=10))]:
         cache = KVPressCache(model.config)
         with kvpress.patch_model(model, name, budget=20, **params):
-            tokens = greedy(model, ids, 12, past_key_values=cache)
+            tokens = greedy(model, ids, 12, cache=cache)
         runs[name] = tokens.tolist(), [layer.key_positions().tolist() for _, layer in cache.kvpress_layers()]
     assert runs["keyformer"] == runs["h2o"]
 
@@ -98,11 +98,11 @@ def test_decode_holds_the_budget_keeps_the_window_and_never_brings_a_token_back(
     cache, kept_before = KVPressCache(model.config), None
     budget, window = 20, math.floor(0.3 * 20)
     with kvpress.patch_model(model, "keyformer", budget=budget):
-        greedy(model, ids, 1, past_key_values=cache)
+        greedy(model, ids, 1, cache=cache)
         for step in range(10):
             seen = cache.get_seq_length()
             nxt = torch.randint(3, 128, (1, 1), generator=torch.Generator().manual_seed(step))
-            model(nxt, past_key_values=cache)
+            model(nxt, cache=cache)
             for i, layer in cache.kvpress_layers():
                 kept = set(layer.key_positions()[0, 0].tolist())
                 assert len(kept) == budget and set(range(seen + 1 - window, seen + 1)) <= kept
@@ -141,4 +141,4 @@ def test_a_capture_reserve_is_refused_with_the_reason():
     model = tiny_model()
     with kvpress.patch_model(model, "keyformer", compression_ratio=0.5, slack=4):
         with pytest.raises(ValueError, match="keyformer.*observes each step with shapes that change"):
-            model(torch.randint(3, 128, (1, 20)), past_key_values=KVPressCache(model.config, capture_reserve=8))
+            model(torch.randint(3, 128, (1, 20)), cache=KVPressCache(model.config, capture_reserve=8))

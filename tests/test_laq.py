@@ -47,7 +47,7 @@ def _laq(model, ids, new_tokens=4, **params):
     with kvpress.patch_model(model, Spy(**params)), torch.no_grad():
         cache = KVPressCache(model.config)
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
-                             past_key_values=cache)
+                             cache=cache)
     return cache, out, Spy.seen[-1] if Spy.seen else None
 
 
@@ -59,7 +59,7 @@ def test_without_lookahead_it_is_snapkv_with_the_stage_two_window(budget, kernel
     with kvpress.patch_model(model, "snapkv", budget=budget, window_size=W2, kernel_size=kernel), torch.no_grad():
         snap = KVPressCache(model.config)
         ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False,
-                             past_key_values=snap)
+                             cache=snap)
     assert _kept(cache) == _kept(snap)
     assert out.tolist() == ref.tolist()
 
@@ -68,7 +68,7 @@ def _snapkv_greedy(model, ids, n, budget):
     """transformers' greedy generate over a SnapKV (window W1) cache: stage 1 written with the library's SnapKV."""
     with kvpress.patch_model(model, "snapkv", budget=budget, window_size=W1), torch.no_grad():
         return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                              past_key_values=KVPressCache(model.config))[0, ids.shape[1]:]
+                              cache=KVPressCache(model.config))[0, ids.shape[1]:]
 
 
 @pytest.mark.parametrize("budget", [BUDGET, 200])  # 200 >= L: stage 1 keeps everything, the full model's tokens
@@ -118,13 +118,13 @@ def _reference_kept(model, ids, budget):
     hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
     group, dim = hq // hkv, cfg.hidden_size // hq
     full = DynamicCache()
-    prompt_q = _attention_inputs(model, lambda: model(ids, past_key_values=full, use_cache=True))
+    prompt_q = _attention_inputs(model, lambda: model(ids, cache=full, use_cache=True))
     tokens = _snapkv_greedy(model, ids, N_LA, budget)
 
     def pseudo_run():
         with kvpress.patch_model(model, "snapkv", budget=budget, window_size=W1):
             model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=N_LA + 1, do_sample=False,
-                           past_key_values=KVPressCache(model.config))
+                           cache=KVPressCache(model.config))
 
     pseudo_q = _attention_inputs(model, pseudo_run)  # per layer: the prompt's rows, then one row per fed token
     kept = []
@@ -170,7 +170,7 @@ def test_it_composes_with_a_codec_and_bytes_shrink():
                              bits=4, group_size=16, residual_length=16), torch.no_grad():
         cache = KVPressCache(model.config)
         model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False,
-                       past_key_values=cache)
+                       cache=cache)
     assert _kept(cache) == _kept(plain)  # the codec stores what laq keeps
     assert cache.nbytes() < plain.nbytes()
 
@@ -193,9 +193,9 @@ def test_bad_parameters_and_uses_are_refused():
     with kvpress.patch_model(model, "laq", budget=BUDGET), torch.no_grad():  # a forward that returns a tuple
         cache = KVPressCache(model.config)
         with pytest.raises(ValueError, match=r"laq: lookahead=8 generates from the prompt's next-token logits"):
-            model(_prompt(), past_key_values=cache, return_dict=False)
+            model(_prompt(), cache=cache, return_dict=False)
         assert cache.get_seq_length() == 0  # a failed prompt leaves the cache empty, as before it
     with kvpress.patch_model(model.model, "laq", budget=BUDGET, lookahead=0), torch.no_grad():
         cache = KVPressCache(model.config)
-        model.model(_prompt(), past_key_values=cache, use_cache=True)
+        model.model(_prompt(), cache=cache, use_cache=True)
         assert max(max(len(h) for h in layer) for layer in _kept(cache)) == BUDGET

@@ -89,7 +89,7 @@ def test_streaming_heads_read_sinks_and_local_only(llama_file):
     try:
         with kvpress.patch_model(model, "lserve", budget=32, page_size=8, sub_pages=2, n_sink=2, local=8,
                                  calibration=str(llama_file)):
-            greedy(model, ids, 3, past_key_values=KVPressCache(model.config))
+            greedy(model, ids, 3, cache=KVPressCache(model.config))
     finally:
         LServe.select = real_select
     for layer_idx, heads, width in reads:

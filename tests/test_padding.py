@@ -85,8 +85,8 @@ def _assert_rows_as_alone(policy, params, n_short=SHORT, **patch):
                output_logits=True)
     with kvpress.patch_model(model, policy, **params, **patch), torch.no_grad():
         batch_cache, alone_cache = KVPressCache(model.config), KVPressCache(model.config)
-        batched = model.generate(ids, attention_mask=mask, past_key_values=batch_cache, **run)
-        alone = model.generate(short, attention_mask=torch.ones_like(short), past_key_values=alone_cache, **run)
+        batched = model.generate(ids, attention_mask=mask, cache=batch_cache, **run)
+        alone = model.generate(short, attention_mask=torch.ones_like(short), cache=alone_cache, **run)
     assert batched.sequences[1, LONG:].tolist() == alone.sequences[0, n_short:].tolist()
     # the logits too: a tiny random model's tokens barely depend on what attention reads
     torch.testing.assert_close(torch.stack([step[1] for step in batched.logits]),
@@ -170,8 +170,8 @@ def test_beam_search_on_a_left_padded_batch_equals_each_row_alone(name, llama_fi
     run = dict(max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, num_beams=3, return_dict_in_generate=True,
                output_scores=True)
     with kvpress.patch_model(model, name, **_params(name, llama_file)), torch.no_grad():
-        batched = model.generate(ids, attention_mask=mask, past_key_values=KVPressCache(model.config), **run)
+        batched = model.generate(ids, attention_mask=mask, cache=KVPressCache(model.config), **run)
         alone = model.generate(short, attention_mask=torch.ones_like(short),
-                               past_key_values=KVPressCache(model.config), **run)
+                               cache=KVPressCache(model.config), **run)
     assert batched.sequences[1, LONG:].tolist() == alone.sequences[0, SHORT:].tolist()
     torch.testing.assert_close(batched.sequences_scores[1], alone.sequences_scores[0], atol=1e-6, rtol=1e-5)

@@ -451,17 +451,17 @@ def test_decode_over_evicted_and_quantized_cache_equals_dense_reference(arch):
     with kvpress.patch_model(model, "snapkv+kivi", budget=60, window_size=4, bits=4, group_size=16,
                              residual_length=16):
         cache = KVPressCache(model.config)
-        model(ids, past_key_values=cache)
+        model(ids, cache=cache)
         snapshot = []
         for layer in cache.layers:
             assert layer.quantized_len == 32 and layer.view_width == 60
             kd, vd = layer.codes[0].data.dequantize(0, layer.quantized_len)
             snapshot.append((torch.cat([kd, layer.tail.data.keys], 2), torch.cat([vd, layer.tail.data.values], 2)))
-        logits = model(nxt, past_key_values=cache).logits
+        logits = model(nxt, cache=cache).logits
     dense = DynamicCache()
     for i, (k, v) in enumerate(snapshot):
         dense.update(k, v, i)
-    ref = model(nxt, past_key_values=dense, position_ids=torch.tensor([[90]])).logits
+    ref = model(nxt, cache=dense, position_ids=torch.tensor([[90]])).logits
     torch.testing.assert_close(logits, ref, atol=1e-5, rtol=1e-5)
 
 
@@ -469,7 +469,7 @@ def test_decode_time_eviction_over_a_quantized_cache_holds_the_budget():
     model = tiny_model("llama")
     with kvpress.patch_model(model, [H2O(budget=48, recent=8), KIVI(bits=2, group_size=16, residual_length=16)]):
         cache = KVPressCache(model.config)
-        greedy(model, torch.randint(3, 128, (1, 64)), 100, past_key_values=cache)
+        greedy(model, torch.randint(3, 128, (1, 64)), 100, cache=cache)
     for layer in cache.layers:
         assert (layer.tokens_per_head() == 48).all() and layer.quantized_len > 0
         assert layer.view_width <= 48 + 16  # per-head fillers stay bounded
@@ -495,7 +495,7 @@ def test_smollm2_snapkv_kivi_batch_of_two_left_padded(smollm2):
     batch = tok(texts, return_tensors="pt", padding=True)
     with kvpress.patch_model(model, "snapkv+kivi", compression_ratio=0.5, bits=2, group_size=16, residual_length=16):
         cache = KVPressCache(model.config)
-        out = model.generate(**batch, past_key_values=cache, max_new_tokens=6, do_sample=False)
+        out = model.generate(**batch, cache=cache, max_new_tokens=6, do_sample=False)
     assert out.shape[0] == 2
     layer = cache.layers[0]
     assert layer.quantized_len > 0 and layer.key_valid_or_none() is not None

@@ -92,7 +92,7 @@ def test_kvzip_scores_equal_the_definition(monkeypatch):
     ids, mask, positions = _inputs(seed=1, length=40, pad=7)
     captured = _capture_scores(monkeypatch)
     with kvpress.patch_model(model, "kvzip", compression_ratio=0.5, chunk_size=16, tokenizer=TOK):
-        model(ids, attention_mask=mask, position_ids=positions, past_key_values=KVPressCache(model.config))
+        model(ids, attention_mask=mask, position_ids=positions, cache=KVPressCache(model.config))
     reference = _reference_kvzip_scores(model, ids, mask, chunk_size=16, n_sink=4)
     for layer, scores in captured.items():
         for b in range(2):
@@ -112,16 +112,16 @@ def test_after_the_replay_the_cache_equals_one_built_from_the_kept_slots(allocat
     with kvpress.patch_model(model, "kvzip", compression_ratio=0.6, chunk_size=24, budget_allocation=allocation,
                              tokenizer=TOK):
         cache = KVPressCache(model.config)
-        model(ids, attention_mask=mask, position_ids=positions, past_key_values=cache)
+        model(ids, attention_mask=mask, position_ids=positions, cache=cache)
         kept = [(layer.key_positions().clone(), layer.key_valid().clone()) for layer in cache.layers]
-        logits = model(nxt, attention_mask=mask2, position_ids=positions[:, -1:] + 1, past_key_values=cache).logits
+        logits = model(nxt, attention_mask=mask2, position_ids=positions[:, -1:] + 1, cache=cache).logits
     direct = KVPressCache(model.config)
     with kvpress.patch_model(model, "none"):
-        model(ids, attention_mask=mask, position_ids=positions, past_key_values=direct)
+        model(ids, attention_mask=mask, position_ids=positions, cache=direct)
         for layer, (pos, valid) in zip(direct.layers, kept):
             layer.keep(pos.long(), valid)
         snapshot = [(l.seen, l.key_positions(), l.key_valid(), l.keys_view(), l.values_view()) for l in direct.layers]
-        want = model(nxt, attention_mask=mask2, position_ids=positions[:, -1:] + 1, past_key_values=direct).logits
+        want = model(nxt, attention_mask=mask2, position_ids=positions[:, -1:] + 1, cache=direct).logits
     for (seen, pos, valid, k, v), (kp, kv) in zip(snapshot, kept):
         assert seen == 70 and torch.equal(pos, kp) and torch.equal(valid, kv)
     for layer, (seen, pos, valid, k, v) in zip(cache.layers, snapshot):
@@ -138,7 +138,7 @@ def test_global_budget_keeps_the_model_wide_top_scores_and_frees_their_bytes(mon
     captured = _capture_scores(monkeypatch)
     with kvpress.patch_model(model, "kvzip", compression_ratio=0.75, chunk_size=32, tokenizer=TOK):
         cache = KVPressCache(model.config)
-        model(ids, attention_mask=mask, position_ids=positions, past_key_values=cache)
+        model(ids, attention_mask=mask, position_ids=positions, cache=cache)
     layers = cache.layers
     n_real = mask.sum(-1)
     budget = n_real - torch.ceil(n_real.double() * 0.75).long()  # never a token over the ratio
@@ -170,7 +170,7 @@ def test_kvzip_chunked_prefill_holds_budget_plus_one_chunk_and_its_share():
     with record_held_tokens() as held, kvpress.patch_model(model, "kvzip", compression_ratio=0.8, chunk_size=32,
                                                            tokenizer=TOK, prefill_chunk_size=60):
         cache = KVPressCache(model.config)
-        model(ids, past_key_values=cache)
+        model(ids, cache=cache)
     budget = 240 - int(240 * 0.8)  # 48 per layer and head, 96 per layer, 192 in all
     assert sum(int(layer.tokens_per_head().sum()) for layer in cache.layers) == 2 * 2 * budget
     # per layer: at most the whole budget spread over its heads (global) + one prompt chunk + one replay chunk
@@ -183,7 +183,7 @@ def test_kvzip_composes_with_a_codec_after_its_global_selection():
     with kvpress.patch_model(model, "kvzip+kivi", compression_ratio=0.5, bits=4, group_size=16, residual_length=16,
                              tokenizer=TOK):
         cache = KVPressCache(model.config)
-        model(ids, past_key_values=cache)
+        model(ids, cache=cache)
         total = sum(int(layer.tokens_per_head().sum()) for layer in cache.layers)
         assert total == 2 * 2 * 80  # the budget, after selection
         for layer in cache.layers:
@@ -202,14 +202,14 @@ def test_two_questions_on_one_compressed_cache_equal_two_separate_compressions()
                            ("keydiff", {}), ("snapkv", dict(window_size=8))]:
         with kvpress.patch_model(model, policy, compression_ratio=0.7, **params):
             shared = KVPressCache(model.config)
-            model(context, past_key_values=shared)
+            model(context, cache=shared)
             before = shared.nbytes()
-            answers = [greedy(model, torch.cat([context, q], 1), 6, past_key_values=shared.fork()) for q in questions]
+            answers = [greedy(model, torch.cat([context, q], 1), 6, cache=shared.fork()) for q in questions]
             assert shared.nbytes() == before and shared.get_seq_length() == 90  # forks never touch the original
             for q, got in zip(questions, answers):
                 alone = KVPressCache(model.config)
-                model(context, past_key_values=alone)
-                assert torch.equal(greedy(model, torch.cat([context, q], 1), 6, past_key_values=alone), got), policy
+                model(context, cache=alone)
+                assert torch.equal(greedy(model, torch.cat([context, q], 1), 6, cache=alone), got), policy
 
 
 # ---------------------------------------------------------------------------- ExpectedAttention, KeyDiff
@@ -251,10 +251,10 @@ def test_expected_attention_keeps_its_definition_s_top_slots(arch, monkeypatch):
     with kvpress.patch_model(model, "expected_attention", compression_ratio=0.5, n_future_positions=32,
                              use_covariance=True):  # NVIDIA kvpress's default, with the covariance term
         cache = KVPressCache(model.config)
-        model(ids, past_key_values=cache)
+        model(ids, cache=cache)
     with kvpress.patch_model(model, "none"):
         full = KVPressCache(model.config)
-        model(ids, past_key_values=full)
+        model(ids, cache=full)
     rotary = model.model.rotary_emb
     hkv, hq = 2, 4
     group = hq // hkv
@@ -295,10 +295,10 @@ def test_keydiff_keeps_the_keys_least_like_their_head_s_mean_direction():
     ids = torch.randint(3, 128, (1, 50), generator=torch.Generator().manual_seed(9))
     with kvpress.patch_model(model, "none"):
         full = KVPressCache(model.config)
-        model(ids, past_key_values=full)
+        model(ids, cache=full)
     with kvpress.patch_model(model, "keydiff", budget=20):
         cache = KVPressCache(model.config)
-        model(ids, past_key_values=cache)
+        model(ids, cache=cache)
     for layer, ref in zip(cache.layers, full.layers):
         keys = ref.keys_view()[0].detach().double()
         for h in range(2):
@@ -315,7 +315,7 @@ def test_decode_budget_and_chunked_prefill_use_the_query_agnostic_scorers(policy
     ids = torch.randint(3, 128, (1, 120), generator=torch.Generator().manual_seed(10))
     with kvpress.patch_model(model, policy, compression_ratio=0.75, decode_budget=10, prefill_chunk_size=40):
         cache = KVPressCache(model.config)
-        greedy(model, ids, 40, past_key_values=cache)
+        greedy(model, ids, 40, cache=cache)
     for layer in cache.layers:
         assert bool((layer.tokens_per_head() == 30 + 10).all())  # prompt budget + decode budget
 
@@ -349,7 +349,7 @@ def test_pre_rope_queries_from_the_declared_rotary_equal_the_projection(arch):
             return super().score(ctx)
 
     with kvpress.patch_model(model, Spy(budget=10)):
-        model(ids, past_key_values=KVPressCache(model.config))
+        model(ids, cache=KVPressCache(model.config))
     assert got and all(torch.allclose(got[i], want[i].float(), atol=1e-5) for i in got)
 
 
@@ -362,7 +362,7 @@ def test_declared_needs_reach_the_policy_through_compositions_and_the_eval_engin
     NeedsEverything.seen = []
     for policy in [NeedsEverything(budget=20), [NeedsEverything(budget=20), KIVI(bits=4, group_size=16)]]:
         with kvpress.patch_model(model, policy):
-            model(ids, past_key_values=KVPressCache(model.config))
+            model(ids, cache=KVPressCache(model.config))
     _REGISTRY[NeedsEverything.name] = NeedsEverything
     try:
         configs = [Config(NeedsEverything.name, 0.5), Config("snapkv", 0.5)]

@@ -59,13 +59,13 @@ def test_left_padded_batch_equals_prompts_run_alone(smollm2, policy, params):
     n = 10
     with kvpress.patch_model(model, policy, **params):
         batch_cache = KVPressCache(model.config)
-        out = model.generate(**batch, past_key_values=batch_cache, max_new_tokens=n, min_new_tokens=n,
+        out = model.generate(**batch, cache=batch_cache, max_new_tokens=n, min_new_tokens=n,
                              do_sample=False)
         width = batch.input_ids.shape[1]
         for row, text in enumerate(texts):
             ids = tok(text, return_tensors="pt", add_special_tokens=False).input_ids
             alone_cache = KVPressCache(model.config)
-            alone = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=alone_cache,
+            alone = model.generate(ids, attention_mask=torch.ones_like(ids), cache=alone_cache,
                                    max_new_tokens=n, min_new_tokens=n, do_sample=False)
             assert out[row, width:].tolist() == alone[0, ids.shape[1]:].tolist(), f"row {row}"
             # the row kept exactly the tokens it keeps alone (shifted by its padding), in every layer and head
@@ -153,11 +153,11 @@ def test_calibrated_policies_answer_a_question_asked_after_compression(smollm2, 
     document, question = _document_and_question(tok, prompt)
     cache = KVPressCache(model.config)
     with kvpress.patch_model(model, policy, **params), torch.no_grad():
-        model(document, past_key_values=cache)
+        model(document, cache=cache)
         kept = sum(int(layer.tokens_per_head().sum()) for _, layer in cache.kvpress_layers())
         full = document.shape[1] * 3 * len(cache.kvpress_layers())  # 3 KV heads
         ids = torch.cat([document, question], 1)
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache.fork(), max_new_tokens=8,
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache.fork(), max_new_tokens=8,
                              do_sample=False)
     assert prompt.answer in tok.decode(out[0, ids.shape[1]:])
     if policy == "kvzap":
@@ -178,7 +178,7 @@ def test_gemma3_reads_its_shipped_codebooks_and_less_maps():
     ids = tok(text, return_tensors="pt").input_ids
     cache = KVPressCache(model.config)
     with kvpress.patch_model(model, "commvq"), torch.no_grad():  # its defaults: 16-token window and blocks
-        out = model.generate(ids, max_new_tokens=10, do_sample=False, past_key_values=cache)  # a digit a token
+        out = model.generate(ids, max_new_tokens=10, do_sample=False, cache=cache)  # a digit a token
     assert "7394021" in tok.decode(out[0, ids.shape[1]:])
     layers = cache.kvpress_layers()
     assert [i for i, _ in layers] == [5, 11, 17]
@@ -187,5 +187,5 @@ def test_gemma3_reads_its_shipped_codebooks_and_less_maps():
     assert all(layer.nbytes() < 0.2 * full for _, layer in layers)
     cache = KVPressCache(model.config)
     with kvpress.patch_model(model, "less", compression_ratio=0.5), torch.no_grad():
-        model(ids, past_key_values=cache)
+        model(ids, cache=cache)
     assert all(layer.policy_stats for _, layer in cache.kvpress_layers())

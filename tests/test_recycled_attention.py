@@ -90,7 +90,7 @@ def test_stride_one_is_dense_attention():
     model, ids = tiny_model(), torch.randint(3, 128, (1, 60), generator=torch.Generator().manual_seed(2))
     plain = greedy(model, ids, 10)
     with kvpress.patch_model(model, "recycled_attention", budget=8, stride=1):
-        assert greedy(model, ids, 10, past_key_values=KVPressCache(model.config)).tolist() == plain.tolist()
+        assert greedy(model, ids, 10, cache=KVPressCache(model.config)).tolist() == plain.tolist()
 
 
 @pytest.mark.parametrize("similarity,expected", [(-1.0, []), (1.5, [2, 4, 6, 8])])

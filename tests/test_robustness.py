@@ -118,7 +118,7 @@ def test_patching_and_unpatching_on_one_thread_never_gives_another_wrong_tokens(
                 tokens = greedy(model, ids, 6).tolist()
                 outcomes.append("plain" if tokens == plain else "compressed" if tokens == compressed else "WRONG")
             except (ValueError, RuntimeError) as e:
-                assert "kvpress" in str(e) or "past_key_values=DynamicCache" in str(e) or "patch" in str(e), e
+                assert "kvpress" in str(e) or "cache=DynamicCache" in str(e) or "patch" in str(e), e
                 outcomes.append("raised")
     finally:
         stop.set()
@@ -137,8 +137,8 @@ def test_a_compressed_cache_run_by_the_unpatched_model_raises():
                                        ("none", {}, False)):
         cache = KVPressCache(model.config)
         with kvpress.patch_model(model, policy, **params), torch.no_grad():
-            logits = model(ids, past_key_values=cache).logits[:, -1:]
-        step = dict(input_ids=logits.argmax(-1), past_key_values=cache)
+            logits = model(ids, cache=cache).logits[:, -1:]
+        step = dict(input_ids=logits.argmax(-1), cache=cache)
         if compressed:
             seen = cache.get_seq_length()
             with pytest.raises(RuntimeError, match="not patched by kvpress.*patch_model"):
@@ -165,7 +165,7 @@ def test_the_cache_is_not_kept_after_generate():
     model = tiny_model("llama")
     with kvpress.patch_model(model, "snapkv", compression_ratio=0.5):
         cache = KVPressCache(model.config)
-        greedy(model, torch.randint(3, 128, (1, 24)), 2, past_key_values=cache)
+        greedy(model, torch.randint(3, 128, (1, 24)), 2, cache=cache)
         ref = weakref.ref(cache)
         del cache
         gc.collect()
@@ -178,7 +178,7 @@ def test_a_stock_cache_under_a_patch_raises_before_anything_runs():
     with kvpress.patch_model(model, "snapkv", compression_ratio=0.5):
         cache = DynamicCache()
         with pytest.raises(ValueError, match="(cache|past_key_values)=DynamicCache"):
-            greedy(model, ids, 2, past_key_values=cache)
+            greedy(model, ids, 2, cache=cache)
         assert cache.get_seq_length() == 0
         greedy(model, ids, 2, use_cache=False)  # no cache at all: nothing to compress, plain attention is right
 

@@ -212,7 +212,7 @@ def test_in_place_eviction_keeps_what_copying_keeps_and_never_copies_the_layer(p
     buffers, kept = [], {}
     with kvpress.patch_model(model, policy):
         cache = KVPressCache(model.config)
-        out = greedy(model, ids, 50, past_key_values=cache)
+        out = greedy(model, ids, 50, cache=cache)
         kept["in place"] = [_kept(layer) for layer in cache.layers]
         sorted_flags = [layer.sorted for layer in cache.layers]
 
@@ -221,7 +221,7 @@ def test_in_place_eviction_keeps_what_copying_keeps_and_never_copies_the_layer(p
             buffers.append(cache.layers[0].tail.data.room[0].data_ptr())
 
         handle = model.register_forward_hook(record, with_kwargs=True)
-        greedy(model, out, 20, past_key_values=cache)
+        greedy(model, out, 20, cache=cache)
         handle.remove()
     assert len(set(buffers[1:])) == 1
     assert not all(sorted_flags)  # slots really left position order
@@ -229,7 +229,7 @@ def test_in_place_eviction_keeps_what_copying_keeps_and_never_copies_the_layer(p
         _no_in_place(m)
         with kvpress.patch_model(model, policy):
             copying = KVPressCache(model.config)
-            assert torch.equal(greedy(model, ids, 50, past_key_values=copying), out)
+            assert torch.equal(greedy(model, ids, 50, cache=copying), out)
             kept["copying"] = [_kept(layer) for layer in copying.layers]
     assert kept["in place"] == kept["copying"]
     if isinstance(policy, StreamingLLM):  # the definition: 4 sinks + the 20 newest
@@ -257,7 +257,7 @@ def test_slack_lets_a_layer_grow_k_tokens_then_cuts_it_back_to_the_budget_in_one
     with kvpress.patch_model(model, policy):
         cache = KVPressCache(model.config)
         handle = model.register_forward_hook(record, with_kwargs=True)
-        greedy(model, ids, 20, past_key_values=cache)
+        greedy(model, ids, 20, cache=cache)
         handle.remove()
     # forward 0 is the prompt (cut to 24); forward j >= 1 is decode step j
     assert held == [24] + [24 + (j % 6) for j in range(1, 20)]
@@ -265,7 +265,7 @@ def test_slack_lets_a_layer_grow_k_tokens_then_cuts_it_back_to_the_budget_in_one
     capacity = dict(window=25) if isinstance(policy, StreamingLLM) else dict(budget=29)  # 29 = 4 sinks + 25
     with kvpress.patch_model(model, dataclasses.replace(policy, slack=0, **capacity)):
         at_most = KVPressCache(model.config)  # a cache that holds budget + k tokens at every step
-        greedy(model, ids, 20, past_key_values=at_most)
+        greedy(model, ids, 20, cache=at_most)
     assert max(nbytes) <= at_most.nbytes()
     if isinstance(policy, StreamingLLM):
         for step, heads in enumerate(sets):
@@ -282,7 +282,7 @@ def test_attention_over_slots_out_of_order_equals_dense_attention_at_original_po
     ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(2))
     with kvpress.patch_model(model, H2O(budget=16, recent=4)):
         cache = KVPressCache(model.config)
-        out = greedy(model, ids, 12, past_key_values=cache)
+        out = greedy(model, ids, 12, cache=cache)
         assert not any(layer.sorted for layer in cache.layers)
         snapshot = []
         for layer in cache.layers:
@@ -293,7 +293,7 @@ def test_attention_over_slots_out_of_order_equals_dense_attention_at_original_po
             snapshot.append((keys.clone(), values.clone(), positions.sort(-1).values.clone()))
             del order
         nxt = out[:, -1:]
-        logits = model(nxt, past_key_values=cache).logits
+        logits = model(nxt, cache=cache).logits
     dense = DynamicCache()
     # per head kept sets differ: build the reference per KV head with the stock eager path and a mask instead
     masks = []
@@ -320,7 +320,7 @@ def test_attention_over_slots_out_of_order_equals_dense_attention_at_original_po
     AttentionInterface.register("test_masked_positions", masked)
     model.set_attn_implementation("test_masked_positions")
     try:
-        ref = model(nxt, past_key_values=dense, position_ids=torch.tensor([[51]])).logits
+        ref = model(nxt, cache=dense, position_ids=torch.tensor([[51]])).logits
     finally:
         model.set_attn_implementation("sdpa")
     torch.testing.assert_close(logits, ref, atol=1e-5, rtol=1e-5)
@@ -331,10 +331,10 @@ def test_h2o_holds_a_flat_byte_budget_over_1000_tokens_with_one_spare_slot():
     ids = torch.randint(3, 128, (1, 64), generator=torch.Generator().manual_seed(3))
     with kvpress.patch_model(model, H2O(budget=32)):
         cache = KVPressCache(model.config)
-        logits = model(ids, past_key_values=cache).logits[:, -1]
+        logits = model(ids, cache=cache).logits[:, -1]
         sizes = set()
         for step in range(1000):
-            logits = model(logits.argmax(-1, keepdim=True), past_key_values=cache).logits[:, -1]
+            logits = model(logits.argmax(-1, keepdim=True), cache=cache).logits[:, -1]
             if step > 2:
                 sizes.add(cache.nbytes())
     assert len(sizes) == 1  # flat: the same bytes every step

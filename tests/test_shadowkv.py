@@ -129,7 +129,7 @@ def test_full_rank_reading_every_chunk_generates_the_full_caches_tokens():
         ref = model.generate(ids, max_new_tokens=12, do_sample=False, output_logits=True, return_dict_in_generate=True)
         with kvpress.patch_model(model, "shadowkv", budget=64, chunk_size=8, rank=32, outlier_chunks=0):
             cache = KVPressCache(model.config)
-            out = model.generate(ids, max_new_tokens=12, do_sample=False, past_key_values=cache, output_logits=True,
+            out = model.generate(ids, max_new_tokens=12, do_sample=False, cache=cache, output_logits=True,
                                  return_dict_in_generate=True)
     assert out.sequences.tolist() == ref.sequences.tolist()
     torch.testing.assert_close(torch.stack(out.logits), torch.stack(ref.logits), atol=1e-4, rtol=1e-4)
@@ -144,7 +144,7 @@ def test_a_small_budget_reads_less_and_changes_the_output():
         ref = model.generate(ids, max_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True)
         with kvpress.patch_model(model, "shadowkv", budget=8, chunk_size=4, rank=4, local_chunks=1, outlier_chunks=1):
             cache = KVPressCache(model.config)
-            out = model.generate(ids, max_new_tokens=8, do_sample=False, past_key_values=cache, output_logits=True,
+            out = model.generate(ids, max_new_tokens=8, do_sample=False, cache=cache, output_logits=True,
                                  return_dict_in_generate=True)
     shadow = cache.layers[0].segments[0].data
     assert shadow.read_slots() == 8 + 4 + 4 + 2  # 2 chunks, 1 outlier chunk, 1 local chunk, 2 unaligned
@@ -183,7 +183,7 @@ def test_a_shadow_cache_is_not_saved_silently():
     with kvpress.patch_model(model, "shadowkv", budget=8, chunk_size=4, local_chunks=1, outlier_chunks=1), \
             torch.no_grad():
         cache = KVPressCache(model.config)
-        model(ids, past_key_values=cache)
+        model(ids, cache=cache)
     with pytest.raises(ValueError, match=r"\['ShadowKeys'\] storage, which is not saved"):
         to_tensors(cache)
 

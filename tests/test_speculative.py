@@ -102,16 +102,16 @@ def test_rollback_leaves_the_cache_as_if_rejected_tokens_never_came():
     prompt, x, drafts = torch.randint(3, 128, (1, 40)), torch.tensor([[5]]), torch.tensor([[7, 8, 9]])
     with kvpress.patch_model(model, "none"):
         spec = KVPressCache(model.config)
-        model(prompt, past_key_values=spec)
+        model(prompt, cache=spec)
         spec.read_policy = DRAFTS["retrieval"](budget=8, chunk_size=4, recent=4)
         for token in [x, drafts[:, :1], drafts[:, 1:2]]:  # draft steps write draft KV ...
-            model(token, past_key_values=spec)
+            model(token, cache=spec)
         spec.read_policy = None
         spec.crop(-3)  # ... which is rolled back before verification
-        model(torch.cat([x, drafts], 1), past_key_values=spec)  # verify 1 + 3
+        model(torch.cat([x, drafts], 1), cache=spec)  # verify 1 + 3
         spec.crop(-2)  # one draft accepted: keep x, d1
         fresh = KVPressCache(model.config)
-        model(torch.cat([prompt, x, drafts[:, :1]], 1), past_key_values=fresh)
+        model(torch.cat([prompt, x, drafts[:, :1]], 1), cache=fresh)
     for a, b in zip(spec.layers, fresh.layers):
         assert a.seen == b.seen == 42 and a.view_width == b.view_width == 42
         assert torch.equal(a.key_positions(), b.key_positions())

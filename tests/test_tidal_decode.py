@@ -61,7 +61,7 @@ def test_a_budget_over_the_context_generates_the_plain_tokens_and_a_small_one_re
     model, ids = tiny_model(), torch.randint(3, 128, (1, 60), generator=torch.Generator().manual_seed(8))
     plain = greedy(model, ids, 8)
     with kvpress.patch_model(model, "tidal_decode", budget=100, sparse_layer_start=0, correction_layer=None):
-        assert greedy(model, ids, 8, past_key_values=KVPressCache(model.config)).tolist() == plain.tolist()
+        assert greedy(model, ids, 8, cache=KVPressCache(model.config)).tolist() == plain.tolist()
     widths, real_select = [], TidalDecode.select
 
     def recording(self, ctx):
@@ -72,7 +72,7 @@ def test_a_budget_over_the_context_generates_the_plain_tokens_and_a_small_one_re
     TidalDecode.select = recording
     try:
         with kvpress.patch_model(model, "tidal_decode", budget=12, sparse_layer_start=0, correction_layer=None):
-            greedy(model, ids, 4, past_key_values=KVPressCache(model.config))
+            greedy(model, ids, 4, cache=KVPressCache(model.config))
     finally:
         TidalDecode.select = real_select
     assert {w for i, w, _ in widths if i == 1} == {13} and all(w == t for i, w, t in widths if i == 0)

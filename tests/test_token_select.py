@@ -92,7 +92,7 @@ def test_a_budget_over_the_context_reads_everything_and_generates_the_plain_toke
     model, ids = tiny_model(), torch.randint(3, 128, (1, 60), generator=torch.Generator().manual_seed(4))
     plain = greedy(model, ids, 10)
     with kvpress.patch_model(model, "token_select", budget=200):
-        assert greedy(model, ids, 10, past_key_values=KVPressCache(model.config)).tolist() == plain.tolist()
+        assert greedy(model, ids, 10, cache=KVPressCache(model.config)).tolist() == plain.tolist()
 
 
 def test_decoding_reads_at_most_the_budget():
@@ -109,7 +109,7 @@ def test_decoding_reads_at_most_the_budget():
     TokenSelect.select = recording
     try:
         with kvpress.patch_model(model, policy):
-            greedy(model, ids, 8, past_key_values=KVPressCache(model.config))
+            greedy(model, ids, 8, cache=KVPressCache(model.config))
     finally:
         TokenSelect.select = real_select
     assert widths and max(widths) == 24

@@ -147,7 +147,7 @@ def test_low_ratio_zero_and_one_are_kivi_at_one_width():
             patch = kvpress.patch_model(model, policy=policy, **kw)
             try:
                 cache = kvpress.KVPressCache()
-                outs.append((greedy(model, ids, 40, past_key_values=cache),
+                outs.append((greedy(model, ids, 40, cache=cache),
                              sum(layer.kv_nbytes() for layer in cache.layers)))
             finally:
                 patch.unpatch()
@@ -165,7 +165,7 @@ def test_composes_after_an_evictor(policy, kw):
     patch = kvpress.patch_model(model, policy=policy, compression_ratio=0.5, group_size=16, **kw)
     try:
         cache = kvpress.KVPressCache()
-        greedy(model, ids, 8, past_key_values=cache)
+        greedy(model, ids, 8, cache=cache)
         for layer in cache.layers:
             counts = [int(c.counts().sum()) for c in layer.codes]
             # kept + generated

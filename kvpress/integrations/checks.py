@@ -72,6 +72,14 @@ def _describe(kinds: tuple, window: int | None) -> str:
 _ASSISTED = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit")
 
 
+CONTINUOUS_BATCHING = ("continuous batching (generate_batch, init_continuous_batching, "
+                       "generate(cache_implementation='paged'), transformers serve) runs transformers' own paged cache "
+                       "and paged attention, which kvpress does not compress (it would hold every token); allowed: "
+                       "model.generate(...) on the patched model (batches of prompts, left-padded), kvpress.ask for "
+                       "many questions over one document, kvpress's vLLM plugin for serving (`kvpress serve`), or "
+                       "unpatch() first")
+
+
 def check_generate(patch, model, args, kwargs) -> None:
     """Raise ValueError, before generate starts, for a transformers decoding strategy the patch cannot serve, or
     input ids that do not extend what the given cache has seen."""
@@ -86,6 +94,13 @@ def check_generate(patch, model, args, kwargs) -> None:
             f"question's); allowed: input_ids longer than {seen} tokens (and a cache.fork() per question), or "
             f"kvpress.compress(...).ask(...), which does this for you")
     config = kwargs.get("generation_config") or model.generation_config
+    implementation = kwargs.get("cache_implementation")
+    if (implementation or getattr(config, "cache_implementation", None)) == "paged":
+        raise ValueError(CONTINUOUS_BATCHING)
+    if implementation not in (None, "dynamic"):  # (a KVPressCache grows as a dynamic cache does)
+        raise ValueError(f"cache_implementation={implementation!r}: a patched model's generate keeps its tokens in a "
+                         f"KVPressCache (the compressed cache), which transformers' {implementation!r} cache would "
+                         f"replace; allowed values: None or 'dynamic' (or unpatch() first)")
     asked = [name for name in _ASSISTED if (kwargs[name] if name in kwargs else getattr(config, name, None)) is not None]
     policy = patch.policy
     if asked and policy.name != "none":

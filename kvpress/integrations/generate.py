@@ -1,13 +1,14 @@
 """A patched model's `generate`: checked before it starts (checks.py), given a KVPressCache when the caller gave none,
 counted as a call running on the model (what unpatch waits for), and its cache summarised afterwards
-(kvpress.last_cache_stats)."""
+(kvpress.last_cache_stats). Its continuous batching (`generate_batch`, `init_continuous_batching`, `transformers
+serve`) is refused: it runs a paged cache and paged attention of its own, which kvpress does not compress."""
 
 from __future__ import annotations
 
 import functools
 
 from ..cache import KVPressCache
-from .checks import check_generate
+from .checks import CONTINUOUS_BATCHING, check_generate
 from .hf import cache_argument, cache_summary, given_cache, renamed_for
 from .registry import record_stats
 
@@ -22,6 +23,8 @@ def wrap_generate(patch, generate):
             return generate(*args, **kwargs)
         kwargs = renamed_for(model, kwargs) or kwargs
         check_generate(patch, model, args, kwargs)
+        if kwargs.get("cache_implementation") == "dynamic":  # what a KVPressCache is (checks.py refuses others)
+            del kwargs["cache_implementation"]
         if given_cache(kwargs) is None and kwargs.get("use_cache", True):
             kwargs[cache_argument(model)] = KVPressCache(model.config)
         with patch.running(None):
@@ -32,3 +35,8 @@ def wrap_generate(patch, generate):
         return out
 
     return kvpress_generate
+
+
+def refuse_continuous_batching(*args, **kwargs):
+    """A patched model's init_continuous_batching (generate_batch and the context manager go through it)."""
+    raise ValueError(CONTINUOUS_BATCHING)

@@ -19,7 +19,7 @@ from ..policies.base import ModelInfo
 from .attention import BaseAttention, kvpress_attention
 from .chunked import wrap_forward
 from .forwards import ForwardHooks
-from .generate import wrap_generate
+from .generate import refuse_continuous_batching, wrap_generate
 from .hf import ATTENTION_PREFIX, attention_modules_of, decoder_of, given_cache, model_info
 from .registry import PATCHING, Binding, bind, patch_of, register, unbind, unregister
 
@@ -110,6 +110,8 @@ class Patch:
             self._handles.extend(self.hooks.install(module))
         if callable(getattr(model, "generate", None)):  # a base model (e.g. LlamaModel) has no generate
             self._set(model, "generate", wrap_generate(self, model.generate))
+        if callable(getattr(model, "init_continuous_batching", None)):  # (generate_batch goes through it)
+            self._set(model, "init_continuous_batching", refuse_continuous_batching)
         if self.prefill_chunk_size is not None:
             # the model's own forward is split where logits are kept (only the last ones a caller asks for); the
             # decoder's where it is called directly (its hidden states): either way each chunk is one decoder forward

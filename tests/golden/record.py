@@ -141,9 +141,9 @@ def run_config(model, ids, mask, spec, params, extra, new_tokens=NEW_TOKENS) -> 
     with kvpress.patch_model(model, spec, **extra, **params):
         with torch.no_grad():
             pre = KVPressCache(model.config)
-            model(ids, attention_mask=mask, past_key_values=pre)
+            model(ids, attention_mask=mask, cache=pre)
         cache = KVPressCache(model.config)
-        out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=new_tokens,
+        out = model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=new_tokens,
                              min_new_tokens=new_tokens, do_sample=False)
     return dict(tokens=out[:, ids.shape[1]:].tolist(), prefill=cache_record(pre), final=cache_record(cache))
 
