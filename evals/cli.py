@@ -43,15 +43,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--task", required=True, help=f"one of {', '.join(SUITES)}")
     p.add_argument("--subtasks", default=None,
                    help="comma list (ruler: default the 6-task suite, 'all' for every task; longbench: datasets)")
-    p.add_argument("--lengths", default="2048,4096", help="prompt tokens (longbench: the truncation budget)")
+    p.add_argument("--lengths", default="2048", help="prompt tokens, comma list (longbench: the truncation budget)")
     p.add_argument("--policies", default="none,snapkv,h2o,streaming_llm",
                    help="comma list of kvpress policies; parameters after colons, e.g. snapkv:budget_allocation=adaptive "
                         "(none, the full cache, is added when missing: every ratio in the summary is to it)")
     p.add_argument("--ratios", default="0.5,0.75,0.9", help="compression ratios (fraction of the KV removed)")
     p.add_argument("--modes", default="query_aware", help="query_aware and/or query_agnostic (comma list)")
-    p.add_argument("--n", "--samples", dest="n", type=int, default=50,
-                   help="samples per subtask and length (needle: per depth); under torchrun write --samples, "
-                        "as torchrun's own parser claims --n")
+    p.add_argument("--n", "--samples", dest="n", type=int, default=10,
+                   help="samples per subtask and length (needle: per depth). The defaults are 60 prompts of 2K for "
+                        "ruler, ~18.5 s each for SmolLM2 on one CPU thread (the README's per-sample costs): ~20 "
+                        "minutes; one sample per task moves a 6-task average by 1.7 points (the README's tables "
+                        "use 20). Under torchrun write --samples, as torchrun's own parser claims --n")
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--seed", type=int, default=0, help="seed of the generated samples (ruler, needle)")
     p.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="needle depths in [0, 1]")

@@ -171,6 +171,12 @@ def frontier_markdown(summary: list[dict], budgets=BYTE_BUDGETS) -> str:
     return "\n".join(parts)
 
 
+def _span(counts) -> str:
+    """'20', or '10-20' when the cells drawn differ in their number of samples."""
+    counts = sorted(set(counts))
+    return str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
+
+
 def plot_accuracy_per_byte(summary: list[dict], path, mode: str, budgets=BYTE_BUDGETS) -> None:
     """Average score vs bytes held (fraction of the full cache), one point per config, the frontier drawn."""
     import matplotlib
@@ -189,6 +195,10 @@ def plot_accuracy_per_byte(summary: list[dict], path, mode: str, budgets=BYTE_BU
             if pts:
                 ax.scatter([100 * p["bytes"] for p in pts], [p["score"] for p in pts], s=22, label=family,
                            marker=markers[i % len(markers)], color="black" if family == "none" else f"C{i % 10}")
+        full = next((p for p in cell if p["policy"] == "none"), None)
+        if full is not None:  # the reference every ratio is to, across the plot
+            ax.axhline(full["score"], color="black", linestyle="--", linewidth=0.8,
+                       label=f"full cache ({full['score']:.1f})")
         front = sorted((p for p in cell if p["frontier"]), key=lambda p: p["bytes"])
         ax.step([100 * p["bytes"] for p in front], [p["score"] for p in front], where="post", color="grey",
                 linewidth=1, alpha=0.7)
@@ -201,7 +211,7 @@ def plot_accuracy_per_byte(summary: list[dict], path, mode: str, budgets=BYTE_BU
         ax.set_xticks([2, 5, 10, 25, 50, 100], ["2%", "5%", "10%", "25%", "50%", "100%"])
         ax.set_xlabel("bytes held after prefill (% of the full cache, log scale)", fontsize=8)
         ax.set_ylabel("average score", fontsize=8)
-        ax.set_title(f"{mode}, {length} tokens", fontsize=9)
+        ax.set_title(f"{mode}, {length} tokens; n = {_span(p['n'] for p in cell)} samples per task", fontsize=9)
         ax.tick_params(labelsize=7)
     handles, labels = axes.flat[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=min(8, len(labels)), fontsize=7, frameon=False)
@@ -227,12 +237,14 @@ def plot_accuracy(summary: list[dict], path, mode: str) -> None:
     rows = math.ceil(len(panels) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(3.6 * cols, 2.8 * rows), squeeze=False)
     for ax, panel in zip(axes.flat, panels):
+        counts = set()  # samples per cell drawn in this panel
         for p_i, policy in enumerate(policies):
             for l_i, length in enumerate(lengths):
                 points = defaultdict(list)
                 for s in cells:
                     if s["policy"] == policy and s["length"] == length and panel in ("average", s["task"]):
                         points[s["ratio"]].append(s["score"])
+                        counts.add(s["n"])
                 if not points:
                     continue
                 xs = sorted(points)
@@ -243,7 +255,7 @@ def plot_accuracy(summary: list[dict], path, mode: str) -> None:
                     ax.axhline(ys[0], **kw)
                 else:
                     ax.plot(xs, ys, marker="o", markersize=3, **kw)
-        ax.set_title(panel, fontsize=9)
+        ax.set_title(f"{panel} (n = {_span(counts)})" if counts else panel, fontsize=9)
         ax.set_xlabel("compression ratio (fraction of KV removed)", fontsize=7)
         ax.set_ylabel("score", fontsize=7)
         ax.set_ylim(-3, 103)
