@@ -16,7 +16,7 @@ OPTIONAL = ("triton", "vllm")  # third-party packages kvpress runs without
 # (path prefix, floor): the longest matching prefix decides
 FLOORS = [
     ("kvpress/formats/", 1), ("kvpress/positions.py", 1), ("kvpress/heads.py", 1), ("kvpress/needle.py", 1),
-    ("kvpress/questions.py", 1), ("kvpress/version.py", 1),
+    ("kvpress/questions.py", 1), ("kvpress/version.py", 1), ("kvpress/progress.py", 1),
     ("kvpress/kernels/", 2), ("kvpress/models.py", 2),
     ("kvpress/cache/", 3),
     ("kvpress/policies/", 4),
@@ -33,8 +33,8 @@ def _module_name(path: Path) -> str:
 def _floor(module: str) -> int:
     path = module.replace(".", "/")
     candidates = [path + ".py", path + "/"]
-    return max((floor, len(prefix)) for prefix, floor in FLOORS
-               if any(c.startswith(prefix) for c in candidates))[0]
+    return max(((len(prefix), floor) for prefix, floor in FLOORS
+                if any(c.startswith(prefix) for c in candidates)))[1]  # the longest prefix decides
 
 
 def _resolve(module: str, is_package: bool, node: ast.ImportFrom) -> list[str]:
