@@ -112,7 +112,8 @@ def _read_text(path: str) -> str:
     if path == "-":
         return sys.stdin.read()
     try:
-        text = open(path, encoding="utf-8").read()
+        with open(path, encoding="utf-8") as file:
+            text = file.read()
     except (OSError, UnicodeDecodeError) as e:
         raise ValueError(f"file={path!r}: cannot be read as UTF-8 text ({e}); allowed values: a text file or '-'")
     if not text.strip():

@@ -57,7 +57,8 @@ class TidalDecode(ReadPolicy):
         else:
             order = positions.argsort(dim=-1, stable=True)
             ordered = positions.gather(-1, order)
-        at = torch.searchsorted(ordered, picked.to(ordered.dtype).contiguous()).clamp(max=ordered.shape[-1] - 1)
+        at = torch.searchsorted(ordered.contiguous(), picked.to(ordered.dtype).contiguous())
+        at = at.clamp(max=ordered.shape[-1] - 1)
         slot = at if order is None else order.gather(-1, at)
         found = (ordered.gather(-1, at) == picked) & real.gather(-1, slot)  # the layer holds that token
         width = real.shape[-1]
