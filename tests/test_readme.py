@@ -2,6 +2,8 @@
 prepared, without a warning; the command lines it shows parse with the CLIs' own parsers. (The vLLM block runs
 in the vLLM environment: tests/vllm_plugin/test_readme_vllm.py.)"""
 
+import contextlib
+import io
 import re
 import shlex
 import warnings
@@ -24,10 +26,16 @@ def test_every_python_block_runs_top_to_bottom_without_a_warning(tmp_path, monke
     namespace: dict = {}
     blocks = [b for b in PYTHON if "from vllm" not in b]
     assert len(blocks) >= 6
+    printed = io.StringIO()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for i, block in enumerate(blocks):
-            exec(compile(block, f"README.md python block {i}", "exec"), namespace)
+            with contextlib.redirect_stdout(printed if i == 0 else io.StringIO()):
+                exec(compile(block, f"README.md python block {i}", "exec"), namespace)
+    # the output the README shows under its first block is what it prints (but the first line's time)
+    shown = re.findall(r"```python\n.*?```\n.*?```text\n(.*?)```", README, re.S)[0].splitlines()
+    got = printed.getvalue().splitlines()
+    assert len(got) == len(shown) and got[0].rsplit(" ", 1)[0] == shown[0].rsplit(" ", 1)[0] and got[1:] == shown[1:]
     ours = [w for w in caught if not issubclass(w.category, ResourceWarning)]
     assert not ours, [f"{w.category.__name__}: {w.message}" for w in ours]
     assert not [r for r in caplog.records if r.levelname == "WARNING" and r.name.startswith(("transformers", "kvpress"))]
