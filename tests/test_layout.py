@@ -159,3 +159,43 @@ def test_function_level_kvpress_imports_only_for_optional_dependencies():
             if targets and not needs_optional:
                 hidden.append(f"{m.path.relative_to(ROOT)}:{line} imports {targets} inside a function")
     assert not hidden, "\n".join(hidden)
+
+
+def _outside_policies():
+    """The package's modules outside kvpress/policies/, and evals/ (what must ask a policy, not know it)."""
+    evals = [Module(p) for p in sorted((ROOT / "evals").rglob("*.py"))]
+    return [m for m in MODULES.values() if not m.name.startswith("kvpress.policies")] + evals
+
+
+def _registered():
+    from kvpress.policies import get_policy_class, list_policies
+    return {name: get_policy_class(name).__name__ for name in list_policies()}
+
+
+def test_no_isinstance_test_on_a_concrete_policy_outside_policies():
+    """A policy answers for itself (roles, Policy's properties); code that uses policies asks them, it does not test
+    for a particular class (roles, which are types on purpose, may be tested: roles.py)."""
+    concrete = set(_registered().values())
+    found = []
+    for m in _outside_policies():
+        for node in ast.walk(m.tree):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance" and len(node.args) == 2:
+                names = {n.id if isinstance(n, ast.Name) else getattr(n, "attr", None) for n in ast.walk(node.args[1])}
+                if names & concrete:
+                    found.append(f"{m.path.relative_to(ROOT)}:{node.lineno} {sorted(names & concrete)}")
+    assert not found, found
+
+
+def test_no_table_of_policy_names_outside_the_registry():
+    """A dict, list, tuple or set literal naming two or more registered policies outside policies/ is a second
+    registry, which a new policy would have to be taught (the registry, a role or a property answers instead)."""
+    names = set(_registered())
+    found = []
+    for m in _outside_policies():
+        for node in ast.walk(m.tree):
+            if isinstance(node, (ast.Dict, ast.List, ast.Tuple, ast.Set)):
+                items = node.keys if isinstance(node, ast.Dict) else node.elts
+                named = {i.value for i in items if isinstance(i, ast.Constant) and i.value in names}
+                if len(named) >= 2:
+                    found.append(f"{m.path.relative_to(ROOT)}:{node.lineno} {sorted(named)}")
+    assert not found, found

@@ -15,48 +15,38 @@ engine's scheduler (which frees the pages) and in its workers (which move the ke
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from ..cache import KVPressLayer
-from ..policies import Codec, Context, Merger, Policy, ReadView, StorageTier, Summarizer
+from ..policies import Context, Policy
+from ..policies.registry import get_policy_class, list_policies
 from ..policies.allocation import whole_pages
 from ..positions import Rotary
 
 
 def check_servable(policy: Policy) -> None:
     """Raise ValueError unless `policy` decides from one prompt's tensors, layer by layer, at the prompt's end: what
-    an engine that frees whole pages after the prompt can run."""
-    name = policy.name
-    if isinstance(policy, (Codec, StorageTier)) or len(policy.parts()) > 1:
-        raise ValueError(f"policy={policy.describe()!r}: low-bit storage (kivi, gear) and storage tiers (shadowkv) "
-                         f"need kvpress's own cache layout, not the engine's pages; allowed: an eviction policy alone")
-    if isinstance(policy, Merger):
-        raise ValueError(f"policy={name!r} merges tokens into synthetic ones; an engine keeps a subset of the prompt's "
-                         f"own tokens in its pages; allowed: an eviction policy")
-    if isinstance(policy, Summarizer):
-        raise ValueError(f"policy={name!r} adds a summary of its evicted tokens to every read, which an engine's "
-                         f"attention does not; allowed: an eviction policy")
-    if isinstance(policy, ReadView):
-        raise ValueError(f"policy={name!r} is a read policy (it evicts nothing, it picks what each decode step reads); "
-                         f"allowed: an eviction policy")
-    if policy.needs().model_pass:
-        raise ValueError(f"policy={name!r} decides over every layer at once after the prompt (a model-level pass); "
-                         f"allowed: a policy that decides layer by layer (for kvzap: budget_allocation='uniform')")
-    if policy.query_rows() is None:
-        raise ValueError(f"policy={name!r} does not declare which query rows it scores with (Policy.query_rows), so "
-                         f"a prompt seen in chunks cannot be scored as one; allowed: snapkv, knorm, keydiff, "
-                         f"expected_attention, streaming_llm, tova, h2o, random, kvzap, none")
-    params = {f.name: getattr(policy, f.name) for f in dataclasses.fields(policy)}
-    for field, allowed in (("budget_allocation", "uniform"), ("decode_budget", None), ("slack", 0),
-                           ("cache_local_positions", False)):
-        value = params.get(field, allowed)
-        if value != allowed:
-            raise ValueError(f"{name}: {field}={value!r} is not served by an engine yet (it keeps one page-aligned "
-                             f"budget per request for every layer and head, decided at the prompt's end); allowed "
-                             f"values: {field}={allowed!r}")
+    an engine that frees whole pages after the prompt can run (each policy says why not: Policy.engine_refusal)."""
+    refusal = policy.engine_refusal
+    if refusal is not None:
+        served = ", ".join(servable_policies())
+        raise ValueError(f"policy={policy.describe()!r} {refusal} (served: {served})")
+
+
+def servable_policies() -> list[str]:
+    """The registered policies an engine serves with their defaults and its own (Policy.served_defaults)."""
+    out = []
+    for name in list_policies():
+        cls = get_policy_class(name)
+        try:
+            policy = cls(**({"compression_ratio": 0.5} if cls.needs_budget else {}), **cls.served_defaults)
+        except ValueError:  # (a policy that needs a setting of its own to be made at all)
+            continue
+        if policy.engine_refusal is None:
+            out.append(name)
+    return out
 
 
 def evicted_tokens(policy: Policy, prompt_length: int, page_size: int) -> int:

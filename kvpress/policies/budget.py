@@ -101,6 +101,17 @@ class AllocatedBudgetPolicy(BudgetPolicy):
         return super().decode_change
 
     @property
+    def engine_refusal(self) -> str | None:
+        if (refusal := super().engine_refusal) is not None:  # (the roles' and the protocol's first)
+            return refusal
+        for field, allowed in (("budget_allocation", "uniform"), ("decode_budget", None), ("slack", 0)):
+            if getattr(self, field) != allowed:
+                return (f"{field}={getattr(self, field)!r} is not served by an engine yet (it keeps one page-aligned "
+                        f"budget per request for every layer and head, decided at the prompt's end); allowed "
+                        f"values: {field}={allowed!r}")
+        return None
+
+    @property
     def capture_refusal(self) -> str | None:
         if self.budget_allocation in ("adaptive", "global"):
             return (f"keeps different numbers of tokens per KV head (budget_allocation={self.budget_allocation!r}: "

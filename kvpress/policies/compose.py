@@ -42,6 +42,11 @@ class Composed(Policy):
         return self.evictor.decode_change or self.codec.decode_change
 
     @property
+    def engine_refusal(self) -> str | None:
+        return (f"stores {self.codec.name}'s low-bit codes after eviction, which need kvpress's own cache layout, not "
+                f"the engine's pages; allowed: an eviction policy alone")
+
+    @property
     def capture_refusal(self) -> str | None:
         if self.evictor.needs().probabilities and self.evictor.decode_change:
             # over a layer that holds codes the attention pass gives no probabilities: they are recomputed

@@ -33,6 +33,10 @@ class KIVI(Codec):
         if self.residual_length < 0:
             raise ValueError(f"{self.name}: residual_length={self.residual_length!r}; allowed values: an int >= 0")
 
+    @property
+    def upper_bits_draftable(self) -> bool:
+        return self.bits == 8  # its codes' upper 4 bits are a 4-bit code of the same group (QuantSpec)
+
     def for_model(self, model):
         check_layout(self.name, model.head_dim, self.group_size, self.bits)
         return self

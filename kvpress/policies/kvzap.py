@@ -43,6 +43,7 @@ _WINDOW_LIFT = 1e6  # above any spread of predicted log-scores (they are log att
 class KVzap(ScorerPolicy):
     name = "kvzap"
     budget_allocation: str = "global"
+    served_defaults: ClassVar[dict] = {"budget_allocation": "uniform"}  # an engine decides layer by layer
     n_sink: int = 4
     window: int = 128
     calibration: str | None = None

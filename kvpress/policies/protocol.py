@@ -151,6 +151,28 @@ class Policy(HyperParameters):
         return None if self.observe_captures else "observes each step with shapes that change"
 
     @property
+    def engine_refusal(self) -> str | None:
+        """Why a serving engine that frees whole pages after the prompt cannot run this policy, in words ending with
+        what is allowed; None when it can: the policy decides from one prompt's tensors, layer by layer, at the
+        prompt's end (integrations/prompts.py). Each role and budget option says why not (roles.py, budget.py)."""
+        if self.needs().model_pass:
+            return ("decides over every layer at once after the prompt (a model-level pass); allowed: a policy that "
+                    "decides layer by layer")
+        if self.query_rows() is None:
+            return ("does not declare which query rows it scores with (Policy.query_rows), so a prompt seen in "
+                    "chunks cannot be scored as one; allowed: a policy that declares them")
+        return None
+
+    # settings a serving engine runs this policy with unless given (kvzap: a layer-by-layer budget)
+    served_defaults: ClassVar[dict] = {}
+
+    @classmethod
+    def draft_view(cls) -> type | None:
+        """The read view that drafts for self-speculation under this policy's name (speculative_generate(draft=
+        name)): a ReadView drafts as itself; None: the policy does not draft."""
+        return None
+
+    @property
     def batches_questions(self) -> bool:
         """Whether several questions over one context can run as one batch, each left-padded after the context
         (kvpress.ask), and each row still read as its question alone: the padding then sits inside a row's slots.

@@ -16,7 +16,9 @@ integration, speculative decoding, evals, serving) asks one question the same wa
   key rewriting   `Policy.rewrites_keys` / `Policy.key_view`: attention reads rewritten keys. A property, not a
                   type: it depends on a hyper-parameter (StreamingLLM's cache_local_positions).
 A composition (compose.Composed) has no role of its own: ask its parts (Policy.parts()). Every role that changes
-what a decode step does says so in `decode_change`, which rollbacks (speculation) read.
+what a decode step does says so in `decode_change`, which rollbacks (speculation) read; each says why a serving
+engine cannot run it in `engine_refusal` (integrations/prompts.py reads it), and a ReadView drafts for
+self-speculation as itself (`draft_view`).
 """
 
 from __future__ import annotations
@@ -38,6 +40,12 @@ class Codec(Policy):
     def reads_whole_cache(self) -> bool:
         return False  # it stores the newest tokens as codes: over a shared context, the rows' own
 
+    @property
+    def upper_bits_draftable(self) -> bool:
+        """Whether a draft may read the upper half of this codec's codes as a coarser code (QuantSpec, the "quant4"
+        draft: 8-bit KIVI codes read as 4-bit ones)."""
+        return False
+
     def store(self, layer, layer_idx: int) -> None:
         """Move what the codec's full-precision window no longer covers in `layer` (the model's attention layer
         `layer_idx`) into low-bit codes (what a composition calls on the layers its evictor has cut)."""
@@ -46,6 +54,10 @@ class Codec(Policy):
     @property
     def decode_change(self) -> str:
         return "moves old tokens into low-bit codes while decoding"
+
+    @property
+    def engine_refusal(self) -> str | None:
+        return "stores low-bit codes, which need kvpress's own cache layout, not the engine's pages; allowed: an eviction policy alone"
 
 
 
@@ -67,6 +79,15 @@ class ReadView(Policy):
     @property
     def batches_questions(self) -> bool:
         return False  # its pages, chunks or windows count a row's slots, which a question's padding would shift
+
+    @property
+    def engine_refusal(self) -> str | None:
+        return ("is a read policy (it evicts nothing, it picks what each decode step reads); allowed: an eviction "
+                "policy")
+
+    @classmethod
+    def draft_view(cls) -> type | None:
+        return cls
 
     @property
     def capture_refusal(self) -> str | None:
@@ -101,6 +122,11 @@ class StorageTier(Policy):
         return "reads its stored prompt through a reader of its own at every decode step"
 
     @property
+    def engine_refusal(self) -> str | None:
+        return ("is a storage tier, which needs kvpress's own cache layout, not the engine's pages; "
+                "allowed: an eviction policy alone")
+
+    @property
     def capture_refusal(self) -> str | None:
         return self.decode_change
 
@@ -114,6 +140,11 @@ class Merger(Policy):
         return "merges old tokens into fewer synthetic ones when the cache fills while decoding"
 
     @property
+    def engine_refusal(self) -> str | None:
+        return ("merges tokens into synthetic ones; an engine keeps a subset of the prompt's own tokens in its "
+                "pages; allowed: an eviction policy")
+
+    @property
     def capture_refusal(self) -> str | None:
         return self.decode_change
 
@@ -125,3 +156,8 @@ class Summarizer(Policy):
     @property
     def capture_refusal(self) -> str | None:
         return "adds its summary of evicted tokens to every read, which runs segment by segment with changing sizes"
+
+    @property
+    def engine_refusal(self) -> str | None:
+        return ("adds a summary of its evicted tokens to every read, which an engine's attention does not; allowed: "
+                "an eviction policy")

@@ -105,6 +105,10 @@ class ShadowKV(_Chunking, StorageTier):
     """ShadowKV: low-rank pre-RoPE keys, values in a file tier, landmark-selected chunks read per step (module
     docstring)."""
 
+    @classmethod
+    def draft_view(cls) -> type | None:
+        return ShadowKVView  # its chunk selection over an exact cache (defined below)
+
     name = "shadowkv"
     rank: int | None = None  # None: the paper's share of Hkv * head_dim
     offload_dir: str | None = None  # the file tier's folder (None: $KVPRESS_OFFLOAD_DIR, else the temp folder)

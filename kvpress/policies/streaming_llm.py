@@ -60,6 +60,13 @@ class StreamingLLM(ScorerPolicy, DecodeEviction):
     def query_rows(self) -> int:
         return 0  # positions alone
 
+    @property
+    def engine_refusal(self) -> str | None:
+        if self.cache_local_positions:  # (attention would read keys re-rotated; the engine reads its pages' own)
+            return ("cache_local_positions=True is not served by an engine yet (its attention reads the keys at "
+                    "their stored positions); allowed values: cache_local_positions=False")
+        return super().engine_refusal
+
     def score(self, ctx: Context):
         return ctx.layer.key_positions().float()  # newest first, after the protected sinks
 

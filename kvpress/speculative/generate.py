@@ -26,15 +26,14 @@ from ..cache import KVPressCache
 from ..integrations.hf import given_cache, with_cache
 from ..integrations.scoped import ScopedPatch, patched_for_call
 from ..integrations.registry import patch_of
-from ..policies import (KIVI, Codec, DoubleSparsity, HiP, LServe, Quant4View, Quest, ReadPolicy, RecycledAttention, Retrieval,
-                        ShadowKVView, SinkWindow, TidalDecode, TokenSelect, TopK)
-from ..policies.registry import check_params
+from ..policies import KIVI, Codec, Quant4View, ReadPolicy
+from ..policies.registry import check_params, get_policy_class, list_policies
 from .sampling import accept, check_sampling, pick_token, sampling_distribution
 
-DRAFTS = {"sink_window": SinkWindow, "retrieval": Retrieval, "quest": Quest, "topk": TopK, "token_select": TokenSelect,
-          "recycled_attention": RecycledAttention, "hip": HiP,
-          "tidal_decode": TidalDecode, "lserve": LServe,
-          "double_sparsity": DoubleSparsity, "shadowkv": ShadowKVView, "quant4": Quant4View}
+# draft name -> its read view: every registered policy that drafts (Policy.draft_view), and "quant4", the precision
+# view of 8-bit KIVI codes (QuantSpec), which is no policy of its own
+DRAFTS = {**{name: view for name in list_policies() if (view := get_policy_class(name).draft_view()) is not None},
+          "quant4": Quant4View}
 # model -> the SpeculativeStats of the last call that finished on it (last_stats): reachable after
 # model.generate(custom_generate=...), which returns ids only
 _LAST_LOCK = threading.Lock()
@@ -167,7 +166,7 @@ def _draft_and_target(draft, draft_params: dict, draft_budget, gamma: int, exist
     if draft == "quant4" or isinstance(draft, Quant4View):
         # QuantSpec: the target reads 8-bit codes (the reference it is lossless to), the draft their upper 4 bits
         codec = next((p for p in existing.policy.parts() if isinstance(p, Codec)), None) if existing is not None else None
-        if existing is not None and not (isinstance(codec, KIVI) and codec.bits == 8):
+        if existing is not None and not (codec is not None and codec.upper_bits_draftable):
             raise ValueError("draft='quant4' reads the upper half of 8-bit codes; allowed: an unpatched model, or one "
                              "patched with kivi bits=8")
         if existing is not None and draft_params:

@@ -2,7 +2,7 @@
 
 The settings name a policy and its hyper-parameters exactly as `patch_model` takes them. The engine serves what
 decides from one prompt, layer by layer, at the prompt's end (integrations/prompts.py: check_servable); kvzap, whose
-default budget is one top-k over every layer, runs with budget_allocation='uniform' here unless told otherwise
+default budget is one top-k over every layer, runs with its served_defaults (budget_allocation="uniform") unless told otherwise
 (and is refused with another allocation). The settings travel as JSON to the scheduler's page manager
 (pages.py), which frees the same pages the workers empty.
 """
@@ -12,11 +12,19 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from ...policies import Policy, resolve_policy
+from ...policies import Policy, get_policy_class, resolve_policy
 from ..prompts import check_servable
 
 KEY = "kvpress"  # the key of `additional_config` kvpress reads
-_ENGINE_DEFAULTS = {"kvzap": {"budget_allocation": "uniform"}}  # a layer-by-layer budget where the default is global
+
+
+def _served_defaults(spec: str) -> dict:
+    """What an engine runs the policy `spec` names with unless the settings say otherwise (Policy.served_defaults);
+    nothing for a name the registry does not know (resolve_policy then says so)."""
+    try:
+        return dict(get_policy_class(spec).served_defaults)
+    except ValueError:
+        return {}
 
 
 @dataclass(frozen=True)
@@ -38,8 +46,7 @@ class EngineSettings:
                              f'parameters, such as {{"policy": "snapkv", "compression_ratio": 0.75}}')
         params = {k: v for k, v in raw.items() if k != "policy"}
         name = raw["policy"]
-        params = {**_ENGINE_DEFAULTS.get(name, {}), **params}
-        policy = resolve_policy(name, **params)
+        policy = resolve_policy(name, **{**_served_defaults(name), **params})
         check_servable(policy)
         return cls(policy, json.dumps(raw, sort_keys=True))
 
