@@ -65,13 +65,10 @@ class Patch:
         self.prefill_chunk_size = prefill_chunk_size
         self.question_tokens = question_tokens
         self.needs = policy.needs()
-        text_config = model.config.get_text_config(decoder=True)
-        # layers whose cache kvpress compresses (hybrid models' sliding-window layers keep their own cache):
-        # layer-wise budgets (PyramidKV) are spread over these
-        layer_types = getattr(text_config, "layer_types", None) or ["full_attention"] * len(attention_modules)
         self.layer_kinds = layout(model.config, len(attention_modules))  # what a KVPressCache must be built for
-        every = [m.layer_idx for m in attention_modules]
-        budget_layers = [i for i in every if layer_types[i] != "sliding_attention"] or every
+        # layer-wise budgets (PyramidKV) are spread over the layers kvpress compresses (info.layers: hybrid models'
+        # sliding-window layers keep their own cache)
+        budget_layers = info.layers or [m.layer_idx for m in attention_modules]
         # patched generate / forward calls running on any thread: unpatch() waits until there are none, so a call
         # never runs half patched (its cache compressed by some steps and read as a stock cache by the next)
         self._running = 0
