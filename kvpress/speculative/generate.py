@@ -15,10 +15,6 @@ exactly lossless.
 from __future__ import annotations
 
 import contextlib
-import threading
-import time
-import weakref
-from dataclasses import dataclass, field
 
 import torch
 
@@ -29,93 +25,24 @@ from ..integrations.registry import patch_of
 from ..policies import KIVI, Codec, Quant4View, ReadPolicy
 from ..policies.registry import check_params, get_policy_class, list_policies
 from .sampling import accept, check_sampling, pick_token, sampling_distribution
+from .layer_skip import LayerSkip, Skipper, check_skippable, decoder_layers
+from .stats import SpeculativeStats, clock, record
 
 # draft name -> its read view: every registered policy that drafts (Policy.draft_view), and "quant4", the precision
 # view of 8-bit KIVI codes (QuantSpec), which is no policy of its own
 DRAFTS = {**{name: view for name in list_policies() if (view := get_policy_class(name).draft_view()) is not None},
           "quant4": Quant4View}
-# model -> the SpeculativeStats of the last call that finished on it (last_stats): reachable after
-# model.generate(custom_generate=...), which returns ids only
-_LAST_LOCK = threading.Lock()
-_LAST: "weakref.WeakKeyDictionary[torch.nn.Module, SpeculativeStats]" = weakref.WeakKeyDictionary()
-
-
-@dataclass
-class SpeculativeStats:
-    """What one speculative_generate call did, and where its time went.
-
-    rounds: draft-then-verify rounds; drafted / accepted: draft tokens proposed / accepted, summed over rows;
-    emitted: new tokens per row in the returned ids (the prefill's first token included, cut at EOS as generate
-    cuts); per_round_accepted: per round, each row's accepted count.
-    Wall-clock seconds (time.perf_counter; on CUDA the device is synchronised at each phase boundary, so a phase
-    is charged its own kernels): prefill_s, the forward over the prompt (or over the part of it past a given
-    cache=) that yields the first token; draft_s, the draft forwards and their rollback; verify_s, the
-    verification forwards and acceptance; total_s, the whole call inside the loop (the rest is bookkeeping).
-    With compare=True: plain_decode_s, plain decoding of as many tokens over a copy of the same prefilled cache, one
-    forward per token (what speculation must beat; `speedup` is their ratio, below 1 when speculation is slower),
-    and plain_matches, whether greedy plain decoding gave the same tokens (None when sampling)."""
-
-    rounds: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    emitted: int = 0
-    per_round_accepted: list = field(default_factory=list)
-    prefill_s: float = 0.0
-    draft_s: float = 0.0
-    verify_s: float = 0.0
-    total_s: float = 0.0
-    plain_decode_s: float | None = None
-    plain_matches: bool | None = None
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted / max(1, self.drafted)
-
-    @property
-    def tokens_per_round(self) -> float:
-        """Tokens committed per verification forward (the smallest accepted prefix of the batch + 1)."""
-        return sum(min(n) + 1 for n in self.per_round_accepted) / max(1, self.rounds)
-
-    @property
-    def decode_s(self) -> float:
-        return max(0.0, self.total_s - self.prefill_s)
-
-    @property
-    def decode_tokens_per_s(self) -> float:
-        """Tokens per row per second after the first (the prefill's), over decode_s; 0 when nothing was decoded."""
-        return (self.emitted - 1) / self.decode_s if self.emitted > 1 and self.decode_s > 0 else 0.0
-
-    @property
-    def speedup(self) -> float | None:
-        """Plain decoding's time over speculation's for the same tokens (compare=True; None without)."""
-        return None if self.plain_decode_s is None or not self.decode_s else self.plain_decode_s / self.decode_s
-
-
-def last_stats(model) -> SpeculativeStats:
-    """SpeculativeStats of the last speculative_generate (or custom_generate) call that finished on `model`,
-    as kvpress.last_cache_stats(model) reports the last patched generate's cache."""
-    with _LAST_LOCK:
-        stats = _LAST.get(model)
-    if stats is None:
-        raise ValueError("no speculative_generate has finished on this model yet; call kvpress.speculative_generate "
-                         "or model.generate(..., custom_generate=kvpress.speculative.custom_generate)")
-    return stats
-
-
-def clock(device: torch.device) -> float:
-    if device.type == "cuda":  # kernels run asynchronously: without this, a phase would be charged the previous one's
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
-
-
 def _whole(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _check(draft, gamma, max_new_tokens, do_sample, temperature, top_p, draft_budget):
+def _check(draft, gamma, max_new_tokens, do_sample, temperature, top_p, draft_budget, skip):
+    if draft is None and skip is None:
+        raise ValueError("draft=None reads the whole cache, which drafts only with layers skipped; allowed values: a "
+                         f"draft in {sorted(DRAFTS)}, a ReadPolicy instance, or draft=None with skip_layers")
     if isinstance(draft, str) and draft not in DRAFTS:
         raise ValueError(f"draft={draft!r} is unknown; allowed values: {sorted(DRAFTS)} or a ReadPolicy instance")
-    if not isinstance(draft, (str, ReadPolicy, Quant4View)):
+    if draft is not None and not isinstance(draft, (str, ReadPolicy, Quant4View)):
         raise ValueError(f"draft={draft!r}; allowed values: {sorted(DRAFTS)} or a ReadPolicy instance")
     if not _whole(gamma) or gamma < 1:
         raise ValueError(f"gamma={gamma!r}; allowed values: an int >= 1")
@@ -181,6 +108,10 @@ def _draft_and_target(draft, draft_params: dict, draft_budget, gamma: int, exist
             raise ValueError(f"gamma={gamma} exceeds the full-precision residual, which must hold the drafts; "
                              f"allowed values: gamma <= residual_length")
         return Quant4View(), target
+    if draft is None:  # layers skipped, the whole cache read
+        if draft_params:
+            raise ValueError(f"draft=None reads the whole cache: {sorted(draft_params)} would be ignored")
+        return None, "none"
     if not isinstance(draft, str):
         if draft_params:
             raise ValueError(f"draft={draft!r} is a ReadPolicy instance: {sorted(draft_params)} would be ignored; "
@@ -203,7 +134,8 @@ def speculative_generate(model, input_ids, attention_mask=None, *, draft="sink_w
                          max_new_tokens: int = 64, do_sample: bool = False, temperature: float = 1.0,
                          top_p: float = 1.0, draft_budget: int | None = None, eos_token_id=None,
                          pad_token_id=None, generator=None, return_stats: bool = False, cache=None,
-                         logits_processor=None, compare: bool = False, **draft_params):
+                         logits_processor=None, compare: bool = False, skip_layers=None, reselect_every: int = 1,
+                         **draft_params):
     """Generate with the model drafting for itself from a cheap view of its own KVPressCache.
 
     draft: "sink_window" (sinks + window, MagicDec's StreamingLLM-style view), "retrieval" (TriForce chunks),
@@ -221,6 +153,9 @@ def speculative_generate(model, input_ids, attention_mask=None, *, draft="sink_w
     the target's and the draft's logits at every position, given the ids before it, before temperature and top-p, so
     greedy picks and the sampling rule (lossless with respect to the processed distribution) follow it. It must be a
     function of its arguments: it also sees the positions of drafts that are rejected.
+    skip_layers: the draft also skips decoder layers (their weights are not read, the drafts get no KV there):
+    None; an int M, the M layers CLaSp chooses again every `reselect_every` rounds from the verification's own hidden
+    states (layer_skip.py); or a list of layer indices, always. With it, draft=None reads the whole cache.
     compare=True: then decode as many tokens plainly (one forward per token, over a copy of the same prefilled
     cache) and put that time in the stats (plain_decode_s, speedup, plain_matches): whether speculation paid.
     Returns the ids [B, prompt + new] like `generate`: it stops once every row has produced EOS, rows that finished
@@ -230,8 +165,12 @@ def speculative_generate(model, input_ids, attention_mask=None, *, draft="sink_w
 
         out, stats = kvpress.speculative_generate(model, ids, draft="quest", gamma=4, return_stats=True)
         print(stats.acceptance_rate, stats.tokens_per_round, stats.decode_tokens_per_s)"""
-    _check(draft, gamma, max_new_tokens, do_sample, temperature, top_p, draft_budget)
+    layers = decoder_layers(model)
+    skip = LayerSkip.parse(skip_layers, len(layers), reselect_every)
+    _check(draft, gamma, max_new_tokens, do_sample, temperature, top_p, draft_budget, skip)
     _check_ids(input_ids, attention_mask)
+    if skip is not None:
+        check_skippable(model, skip)
     if not isinstance(compare, bool):
         raise ValueError(f"compare={compare!r}; allowed values: True or False")
     if logits_processor is not None and not callable(logits_processor):
@@ -248,13 +187,14 @@ def speculative_generate(model, input_ids, attention_mask=None, *, draft="sink_w
     view, target_policy = _draft_and_target(draft, draft_params, draft_budget, gamma, caller_patch, context)
     # the caller's own patch, or one of this call's (shared with the calls on other threads that need the same)
     with contextlib.nullcontext(caller_patch) if caller_patch else patched_for_call(model, target_policy) as patch:
-        view = view.for_model(patch.model_info())  # e.g. lserve's streaming heads, from the calibration
+        view = view.for_model(patch.model_info()) if view is not None else None  # e.g. lserve's streaming heads
         return _loop(model, patch.policy, input_ids, mask, view, gamma, max_new_tokens, do_sample, temperature,
-                     top_p, eos_token_id, pad_token_id, generator, return_stats, cache, logits_processor, compare)
+                     top_p, eos_token_id, pad_token_id, generator, return_stats, cache, logits_processor, compare,
+                     Skipper(model, layers, skip) if skip is not None else None)
 
 
 def _loop(model, policy, input_ids, prompt_mask, view, gamma, max_new_tokens, do_sample, temperature, top_p,
-          eos_token_id, pad_token_id, generator, return_stats, given, processor, compare):
+          eos_token_id, pad_token_id, generator, return_stats, given, processor, compare, skipper):
     device = input_ids.device
     start = clock(device)
     batch, prompt_len = input_ids.shape
@@ -267,13 +207,17 @@ def _loop(model, policy, input_ids, prompt_mask, view, gamma, max_new_tokens, do
                        dtype=torch.long, device=input_ids.device)  # isin needs both on one device
     pad = pad_token_id if pad_token_id is not None else (int(eos[0]) if len(eos) else 0)
 
-    def forward(tokens, on=None):
+    def forward(tokens, on=None, hidden=False):
+        """The logits of `tokens` over the cache `on` (this call's by default); hidden: also every layer's input
+        hidden states and the last layer's output (for CLaSp's choice)."""
         on = cache if on is None else on
         q = tokens.shape[1]
         grown = on.get_seq_length() + q - prompt_len
         mask = torch.cat([prompt_mask, prompt_mask.new_ones(batch, grown)], 1)
         positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)[:, -q:]
-        return model(tokens, **with_cache(model, on, attention_mask=mask, position_ids=positions)).logits
+        out = model(tokens, **with_cache(model, on, attention_mask=mask, position_ids=positions,
+                                         output_hidden_states=hidden))
+        return (out.logits, out.hidden_states) if hidden else out.logits
 
     def processed(logits, before):
         """logits [B, V] of the token after the ids `before` [B, n], as the caller's processor leaves them."""
@@ -283,7 +227,14 @@ def _loop(model, policy, input_ids, prompt_mask, view, gamma, max_new_tokens, do
         return pick_token(processed(logits, before), do_sample, temperature, top_p, generator)
 
     stats = SpeculativeStats()
-    token, _ = pick(forward(input_ids[:, cache.get_seq_length():])[:, -1], input_ids)
+    if skipper is not None and not skipper.plan.chooses:
+        stats.skipped_layers.append(skipper.skipped)
+    choosing = skipper is not None and skipper.plan.chooses
+    logits = forward(input_ids[:, cache.get_seq_length():], hidden=choosing)
+    if choosing:  # CLaSp's first choice, from the prompt's last token
+        logits, hidden = logits
+        skipper.choose([h[:, -1] for h in hidden], stats)
+    token, _ = pick(logits[:, -1], input_ids)
     stats.prefill_s = clock(device) - start
     baseline = cache.fork() if compare else None  # the prefilled cache, for the plain decoding compared with
     out = [token[:, None]]
@@ -302,23 +253,27 @@ def _loop(model, policy, input_ids, prompt_mask, view, gamma, max_new_tokens, do
         so_far = torch.cat([input_ids, *out], 1) if processor is not None else None  # what the processor reads
         drafts, q_probs = [], []
         t_draft = clock(device)
+        seen = cache.get_seq_length()
         cache.read_policy = view
         try:
-            current = last
-            for _ in range(g):
-                before = None if so_far is None else torch.cat([so_far, *(t[:, None] for t in drafts)], 1)
-                d, q = pick(forward(current)[:, -1], before)
-                drafts.append(d)
-                q_probs.append(q)
-                current = d[:, None]
+            with skipper.skipping() if skipper is not None else contextlib.nullcontext():
+                current = last
+                for _ in range(g):
+                    before = None if so_far is None else torch.cat([so_far, *(t[:, None] for t in drafts)], 1)
+                    d, q = pick(forward(current)[:, -1], before)
+                    drafts.append(d)
+                    q_probs.append(q)
+                    current = d[:, None]
         finally:
             cache.read_policy = None
-        if g:
-            cache.crop(-g)  # the draft's KV of `last`, d_1..d_{g-1}: the verifier recomputes it exactly
+        if g:  # the draft's KV of `last`, d_1..d_{g-1} (in the layers it ran): the verifier recomputes it exactly
+            cache.crop(seen)
         t_verify = clock(device)
         stats.draft_s += t_verify - t_draft
         d = torch.stack(drafts, 1) if g else last.new_zeros(batch, 0)
-        logits = forward(torch.cat([last, d], 1))  # [B, g+1, V], full view
+        choosing = skipper is not None and skipper.due(stats.rounds + 1)
+        logits = forward(torch.cat([last, d], 1), hidden=choosing)  # [B, g+1, V], full view, every layer
+        logits, hidden = logits if choosing else (logits, None)
         if processor is not None:  # position j follows the ids so far and the first j drafts
             logits = torch.stack([processed(logits[:, j], torch.cat([so_far, d[:, :j]], 1)) for j in range(g + 1)], 1)
         if do_sample:
@@ -330,6 +285,8 @@ def _loop(model, policy, input_ids, prompt_mask, view, gamma, max_new_tokens, do
         tail = nxt if k == g else torch.where(n == k, nxt, d[:, k])
         emitted = torch.cat([d[:, :k], tail[:, None]], 1)  # k + 1 tokens for every row
         cache.crop(-(g - k))  # keep `last` and d_1..d_k, whose KV the verifier just wrote
+        if hidden is not None:  # CLaSp chooses again, from the hidden states of the last token kept
+            skipper.choose([h[:, k] for h in hidden], stats)
         stats.verify_s += clock(device) - t_verify
         # rows that already produced EOS emit padding, as generate does
         done_before = finished[:, None].expand_as(emitted).clone()
@@ -358,8 +315,7 @@ def _loop(model, policy, input_ids, prompt_mask, view, gamma, max_new_tokens, do
         stats.plain_decode_s = clock(device) - tick
         after_eos = (hit.long().cumsum(1) - hit.long()) > 0  # padded as the speculative rows are
         stats.plain_matches = None if do_sample else bool(torch.equal(plain.masked_fill(after_eos, pad), new))
-    with _LAST_LOCK:
-        _LAST[model] = stats
+    record(model, stats)
     return (result, stats) if return_stats else result
 
 

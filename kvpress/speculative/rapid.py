@@ -25,7 +25,7 @@ from transformers import DynamicCache
 
 from ..integrations.hf import with_cache
 from ..integrations.registry import patch_of
-from .generate import SpeculativeStats, clock
+from .stats import SpeculativeStats, clock
 from .sampling import accept, check_sampling, pick_token, sampling_distribution
 
 
