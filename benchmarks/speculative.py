@@ -13,6 +13,9 @@ from the same state and each run's wall clock covers the same work: the last pro
 
     python benchmarks/speculative.py --contexts 4096,16384,32768 --drafts sink_window,retrieval,quest,quant4 \\
         --gammas 3,5 --budget-fracs 0.05,0.1 --new-tokens 64 --out docs/results/speculative_cpu
+
+Layer-skip drafts (speculative/layer_skip.py) read the whole cache and skip decoder layers: `skip:M` skips the M
+layers CLaSp chooses (again every --reselect-every rounds), `skip:A-B` layers A to B always.
 """
 
 from __future__ import annotations
@@ -83,6 +86,17 @@ def prefill(model, ids, chunk: int):
     return cache, time.perf_counter() - start
 
 
+def skip_layers(draft: str):
+    """skip_layers of a `skip:...` draft (an int for CLaSp, a list of indices for a fixed range), else None."""
+    if not draft.startswith("skip:"):
+        return None
+    spec = draft.split(":", 1)[1]
+    if "-" in spec:
+        first, last = map(int, spec.split("-"))
+        return list(range(first, last + 1))
+    return int(spec)
+
+
 def run_length(model, tok, n, args, device):
     """Rows of the table for one prompt length."""
     ids = retell_prompt(tok, n).to(device)
@@ -103,17 +117,21 @@ def run_length(model, tok, n, args, device):
             plain_s = time.perf_counter() - start
             n_new = ref.shape[1] - ids.shape[1]
             for draft in [d for d in drafts if (d == "quant4") == (target == "kivi")]:
-                budgets = [None] if draft == "quant4" else [max(16, int(float(f) * ids.shape[1]))
-                                                            for f in args.budget_fracs.split(",")]
+                skipped = skip_layers(draft)
+                budgets = [None] if draft == "quant4" or skipped is not None else \
+                    [max(16, int(float(f) * ids.shape[1])) for f in args.budget_fracs.split(",")]
                 for budget in budgets:
                     for gamma in [int(g) for g in args.gammas.split(",")]:
                         start = time.perf_counter()
+                        skipping = {} if skipped is None else dict(skip_layers=skipped,
+                                                                   reselect_every=args.reselect_every)
                         out, stats = kvpress.speculative_generate(
-                            model, ids, draft=draft, gamma=gamma, max_new_tokens=args.new_tokens, draft_budget=budget,
-                            cache=cache.fork(), return_stats=True, **eos)
+                            model, ids, draft=None if skipped is not None else draft, gamma=gamma,
+                            max_new_tokens=args.new_tokens, draft_budget=budget, cache=cache.fork(),
+                            return_stats=True, **skipping, **eos)
                         spec_s = time.perf_counter() - start
                         row = dict(prompt=ids.shape[1], draft=draft, gamma=gamma,
-                                   budget="4 of 8 bits" if budget is None else budget,
+                                   budget="4 of 8 bits" if draft == "quant4" else "all" if budget is None else budget,
                                    acceptance=stats.acceptance_rate, per_round=stats.tokens_per_round,
                                    draft_share=stats.draft_s / max(stats.total_s, 1e-9),
                                    spec_tps=stats.emitted / spec_s, plain_tps=n_new / plain_s,
@@ -160,6 +178,7 @@ def main(argv=None):
     parser.add_argument("--drafts", default=DEFAULT_DRAFTS, help=f"comma-separated, from {sorted(DRAFTS)}")
     parser.add_argument("--gammas", default="3,5", help="draft tokens per round")
     parser.add_argument("--budget-fracs", default="0.1", help="draft budgets, as fractions of the prompt")
+    parser.add_argument("--reselect-every", type=int, default=1, help="skip:M drafts: rounds between CLaSp's choices")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--chunk", type=int, default=2048, help="prefill chunk (bounds the prefill's memory)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
@@ -168,9 +187,9 @@ def main(argv=None):
     # the chunked-prefill wrapper hides the forward's signature, so kvpress passes the cache under its old name and
     # transformers warns on every call; the cache is used either way (a kvpress integrations issue, not this script's)
     warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated", category=FutureWarning)
-    unknown = [d for d in args.drafts.split(",") if d not in DRAFTS]
+    unknown = [d for d in args.drafts.split(",") if d not in DRAFTS and not d.startswith("skip:")]
     if unknown:
-        parser.error(f"--drafts {','.join(unknown)} unknown; allowed values: {sorted(DRAFTS)}")
+        parser.error(f"--drafts {','.join(unknown)} unknown; allowed values: {sorted(DRAFTS)}, skip:M, skip:A-B")
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tok = load("smollm2")
