@@ -104,3 +104,30 @@ def test_a_model_with_sliding_window_layers_is_refused():
     model = tiny_model("gemma3")
     with pytest.raises(ValueError, match="sliding-window layers"):
         kvpress.speculative_generate(model, torch.randint(3, 128, (1, 30)), draft=None, skip_layers=[1])
+
+
+def test_an_adaptive_speculation_length_follows_acceptance_and_stays_lossless():
+    """gamma="adaptive" (every draft kind): 4 drafts first, two more after a round all accepted, one fewer after a
+    rejection, between 1 and 16; greedy output is still plain greedy's."""
+    from kvpress.speculative.generate import Length
+
+    length = Length("adaptive")
+    assert length.now == 4
+    length.update(4, 4)
+    assert length.now == 6
+    length.update(6, 2)
+    assert length.now == 5
+    for _ in range(20):
+        length.update(length.now, length.now)
+    assert length.now == 16
+    model = six_layers()
+    ids, mask = batch()
+    plain = model.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, eos_token_id=[],
+                           pad_token_id=0)
+    for settings in (dict(draft=None, skip_layers=[2]), dict(draft="sink_window", draft_budget=16)):
+        out, stats = kvpress.speculative_generate(model, ids, mask, gamma="adaptive", max_new_tokens=24,
+                                                  eos_token_id=[], pad_token_id=0, return_stats=True, **settings)
+        assert torch.equal(out, plain)
+        assert stats.per_round_drafts[0] == 4 and len(set(stats.per_round_drafts)) > 1
+    with pytest.raises(ValueError, match="gamma='fast'; allowed values: an int >= 1, or 'adaptive'"):
+        kvpress.speculative_generate(model, ids, gamma="fast")

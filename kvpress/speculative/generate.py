@@ -44,8 +44,8 @@ def _check(draft, gamma, max_new_tokens, do_sample, temperature, top_p, draft_bu
         raise ValueError(f"draft={draft!r} is unknown; allowed values: {sorted(DRAFTS)} or a ReadPolicy instance")
     if draft is not None and not isinstance(draft, (str, ReadPolicy, Quant4View)):
         raise ValueError(f"draft={draft!r}; allowed values: {sorted(DRAFTS)} or a ReadPolicy instance")
-    if not _whole(gamma) or gamma < 1:
-        raise ValueError(f"gamma={gamma!r}; allowed values: an int >= 1")
+    if gamma != "adaptive" and (not _whole(gamma) or gamma < 1):
+        raise ValueError(f"gamma={gamma!r}; allowed values: an int >= 1, or 'adaptive'")
     if draft_budget is not None and (not _whole(draft_budget) or draft_budget < 1):
         raise ValueError(f"draft_budget={draft_budget!r}; allowed values: None (10% of the prompt, 64 to the prompt) or "
                          f"an int >= 1")
@@ -81,6 +81,24 @@ def _check_past(cache, input_ids):
     if cache.read_policy is not None:
         raise ValueError(f"cache has read_policy={cache.read_policy!r} set (a draft view left "
                          f"on it); allowed values: a KVPressCache with read_policy=None")
+
+
+ADAPTIVE = (4, 16)  # gamma="adaptive": the first round's drafts, and the most a round drafts
+
+
+class Length:
+    """Drafts per round: a fixed gamma, or "adaptive", following acceptance as transformers' assisted decoding does
+    (its "heuristic" schedule): two more after a round whose drafts were all accepted, one fewer otherwise, between
+    1 and ADAPTIVE[1]."""
+
+    def __init__(self, gamma):
+        self.adaptive = gamma == "adaptive"
+        self.now = ADAPTIVE[0] if self.adaptive else gamma
+        self.most = ADAPTIVE[1] if self.adaptive else gamma
+
+    def update(self, drafted: int, accepted: int) -> None:
+        if self.adaptive and drafted:
+            self.now = min(self.most, self.now + 2) if accepted == drafted else max(1, self.now - 1)
 
 
 def _draft_and_target(draft, draft_params: dict, draft_budget, gamma: int, existing, context: int):
@@ -130,7 +148,7 @@ def _draft_and_target(draft, draft_params: dict, draft_budget, gamma: int, exist
 
 
 @torch.no_grad()
-def speculative_generate(model, input_ids, attention_mask=None, *, draft="sink_window", gamma: int = 4,
+def speculative_generate(model, input_ids, attention_mask=None, *, draft="sink_window", gamma: int | str = 4,
                          max_new_tokens: int = 64, do_sample: bool = False, temperature: float = 1.0,
                          top_p: float = 1.0, draft_budget: int | None = None, eos_token_id=None,
                          pad_token_id=None, generator=None, return_stats: bool = False, cache=None,
@@ -153,6 +171,8 @@ def speculative_generate(model, input_ids, attention_mask=None, *, draft="sink_w
     the target's and the draft's logits at every position, given the ids before it, before temperature and top-p, so
     greedy picks and the sampling rule (lossless with respect to the processed distribution) follow it. It must be a
     function of its arguments: it also sees the positions of drafts that are rejected.
+    gamma: drafts per round, or "adaptive": they follow acceptance (Length: 4 at first, +2 after a round all
+    accepted, -1 otherwise, 1 to 16), for every draft kind.
     skip_layers: the draft also skips decoder layers (their weights are not read, the drafts get no KV there):
     None; an int M, the M layers CLaSp chooses again every `reselect_every` rounds from the verification's own hidden
     states (layer_skip.py); or a list of layer indices, always. With it, draft=None reads the whole cache.
@@ -184,16 +204,17 @@ def speculative_generate(model, input_ids, attention_mask=None, *, draft="sink_w
     context = int(mask.sum(-1).min())
     existing = patch_of(model)
     caller_patch = None if existing is None or isinstance(existing, ScopedPatch) else existing
-    view, target_policy = _draft_and_target(draft, draft_params, draft_budget, gamma, caller_patch, context)
+    length = Length(gamma)
+    view, target_policy = _draft_and_target(draft, draft_params, draft_budget, length.most, caller_patch, context)
     # the caller's own patch, or one of this call's (shared with the calls on other threads that need the same)
     with contextlib.nullcontext(caller_patch) if caller_patch else patched_for_call(model, target_policy) as patch:
         view = view.for_model(patch.model_info()) if view is not None else None  # e.g. lserve's streaming heads
-        return _loop(model, patch.policy, input_ids, mask, view, gamma, max_new_tokens, do_sample, temperature,
+        return _loop(model, patch.policy, input_ids, mask, view, length, max_new_tokens, do_sample, temperature,
                      top_p, eos_token_id, pad_token_id, generator, return_stats, cache, logits_processor, compare,
                      Skipper(model, layers, skip) if skip is not None else None)
 
 
-def _loop(model, policy, input_ids, prompt_mask, view, gamma, max_new_tokens, do_sample, temperature, top_p,
+def _loop(model, policy, input_ids, prompt_mask, view, length, max_new_tokens, do_sample, temperature, top_p,
           eos_token_id, pad_token_id, generator, return_stats, given, processor, compare, skipper):
     device = input_ids.device
     start = clock(device)
@@ -241,7 +262,7 @@ def _loop(model, policy, input_ids, prompt_mask, view, gamma, max_new_tokens, do
     finished = torch.isin(token, eos)
     produced = 1
     while produced < max_new_tokens and not bool(finished.all()):
-        g = min(gamma, max_new_tokens - produced - 1)
+        g = min(length.now, max_new_tokens - produced - 1)
         # A codec flushes old tokens to low-bit codes after the step that fills its window: a round (g drafts, then
         # g + 1 verified) stays short of that step, so nothing is flushed inside it (a rollback could not undo it)
         # and the flush comes at the very step plain decoding takes it. A round of 0 drafts is a plain step.
@@ -282,6 +303,7 @@ def _loop(model, policy, input_ids, prompt_mask, view, gamma, max_new_tokens, do
         else:
             n, nxt = accept(logits, None, d)
         k = int(n.min())
+        length.update(g, k)
         tail = nxt if k == g else torch.where(n == k, nxt, d[:, k])
         emitted = torch.cat([d[:, :k], tail[:, None]], 1)  # k + 1 tokens for every row
         cache.crop(-(g - k))  # keep `last` and d_1..d_k, whose KV the verifier just wrote
@@ -300,6 +322,7 @@ def _loop(model, policy, input_ids, prompt_mask, view, gamma, max_new_tokens, do
         stats.drafted += g * batch
         stats.accepted += int(n.sum())
         stats.per_round_accepted.append(n.tolist())
+        stats.per_round_drafts.append(g)
     new = torch.cat(out, 1)[:, :max_new_tokens]
     hit = torch.isin(new, eos)
     if bool(hit.any(1).all()):  # generate stops at the step where the last row produces EOS

@@ -35,6 +35,7 @@ class SpeculativeStats:
     accepted: int = 0
     emitted: int = 0
     per_round_accepted: list = field(default_factory=list)
+    per_round_drafts: list = field(default_factory=list)  # drafts proposed per row, each round (gamma="adaptive")
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
