@@ -257,7 +257,7 @@ def test_the_default_policy_compresses_without_any_argument():
 @pytest.mark.parametrize("argv,message", [
     (["no/such/folder", "--policy", "snapkv", "--ratio", "0.5"], "model='no/such/folder': not a folder with config.json"),
     (["smolm2", "--policy", "snapkv", "--ratio", "0.5"], "model='smolm2': not a folder with config.json, nor a kvpress"),
-    (["{model}", "--policy", "kvzap+kivi", "--ratio", "0.5"], "low-bit storage"),
+    (["{model}", "--policy", "kvzap+kivi", "--ratio", "0.5"], "low-bit codes"),
     (["{model}", "--policy", "kvzap", "--ratio", "0.5", "--param", "budget_allocation=global"], "model-level pass"),
     (["{model}", "--policy", "snapkv", "--ratio", "2"], "compression_ratio=2"),
 ])
