@@ -121,7 +121,7 @@ def run_length(model, tok, n, args, device):
                 budgets = [None] if draft == "quant4" or skipped is not None else \
                     [max(16, int(float(f) * ids.shape[1])) for f in args.budget_fracs.split(",")]
                 for budget in budgets:
-                    for gamma in [int(g) for g in args.gammas.split(",")]:
+                    for gamma in [g if g == "adaptive" else int(g) for g in args.gammas.split(",")]:
                         start = time.perf_counter()
                         skipping = {} if skipped is None else dict(skip_layers=skipped,
                                                                    reselect_every=args.reselect_every)
@@ -176,7 +176,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--contexts", default="4096,16384,32768", help="prompt lengths in tokens")
     parser.add_argument("--drafts", default=DEFAULT_DRAFTS, help=f"comma-separated, from {sorted(DRAFTS)}")
-    parser.add_argument("--gammas", default="3,5", help="draft tokens per round")
+    parser.add_argument("--gammas", default="3,5", help="draft tokens per round (ints, or adaptive)")
     parser.add_argument("--budget-fracs", default="0.1", help="draft budgets, as fractions of the prompt")
     parser.add_argument("--reselect-every", type=int, default=1, help="skip:M drafts: rounds between CLaSp's choices")
     parser.add_argument("--new-tokens", type=int, default=64)
