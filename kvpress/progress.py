@@ -20,6 +20,7 @@ import contextvars
 import dataclasses
 import os
 import sys
+import threading
 import time
 from typing import Callable, Iterable, Iterator
 
@@ -181,8 +182,10 @@ def tracked(items: Iterable, name: str, total: int | None = None, unit: str = "s
 def per_forward(modules, opened: Task) -> Iterator[None]:
     """Advance `opened` after each forward of any of `modules` (torch modules, e.g. a model's attention layers) run
     while it is the innermost task."""
+    thread = threading.get_ident()
+
     def advance(*_):
-        if opened.innermost:
+        if opened.innermost and threading.get_ident() == thread:  # (a forward of another thread's call: not ours)
             opened.advance()
 
     handles = [m.register_forward_hook(advance) for m in modules]

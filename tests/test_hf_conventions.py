@@ -74,3 +74,20 @@ def test_continuous_batching_and_other_cache_implementations_are_refused_on_a_pa
     patch.unpatch()
     got = model.generate_batch([ids[0].tolist()], generation_config=config)
     assert next(iter(got.values())).generated_tokens == stock[0, ids.shape[1]:].tolist()
+
+
+def test_a_cache_implementation_set_in_a_generation_config_is_handled_as_the_argument_is():
+    import pytest
+
+    model = tiny_model("llama")
+    ids = torch.randint(3, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(3))
+    kvpress.patch_model(model, "snapkv", compression_ratio=0.5)
+    given = GenerationConfig(cache_implementation="dynamic", max_new_tokens=4, do_sample=False, eos_token_id=2,
+                             pad_token_id=0)
+    out = model.generate(ids, generation_config=given)
+    assert given.cache_implementation == "dynamic"  # (the caller's config is not changed)
+    assert all(layer["stored"] < ids.shape[1] for layer in kvpress.last_cache_stats(model)["layers"])
+    model.generation_config.cache_implementation = "dynamic"
+    assert torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False), out)
+    with pytest.raises(ValueError, match="generation_config.cache_implementation='static'"):
+        model.generate(ids, generation_config=GenerationConfig(cache_implementation="static", max_new_tokens=4))

@@ -131,3 +131,50 @@ def test_an_adaptive_speculation_length_follows_acceptance_and_stays_lossless():
         assert stats.per_round_drafts[0] == 4 and len(set(stats.per_round_drafts)) > 1
     with pytest.raises(ValueError, match="gamma='fast'; allowed values: an int >= 1, or 'adaptive'"):
         kvpress.speculative_generate(model, ids, gamma="fast")
+
+
+def test_skipping_is_per_thread_and_the_layers_are_put_back_whatever_the_order():
+    """Two calls skipping the same layer, left in either order, leave the layer's own forward; while one skips it,
+    another thread runs it (its output is the plain model's)."""
+    import threading
+
+    from kvpress.speculative.layer_skip import skipping
+
+    model = six_layers()
+    layers = decoder_layers(model)
+    ids = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(5))
+    plain = model(ids).logits
+    first, second = skipping(layers, [2]), skipping(layers, [2])
+    first.__enter__()
+    second.__enter__()
+    seen = {}
+    worker = threading.Thread(target=lambda: seen.setdefault("logits", model(ids).logits))
+    worker.start()
+    worker.join()
+    assert torch.equal(seen["logits"], plain)  # the other thread ran layer 2
+    assert not torch.equal(model(ids).logits, plain)  # this one skipped it
+    first.__exit__(None, None, None)
+    second.__exit__(None, None, None)
+    assert "forward" not in layers[2].__dict__ and torch.equal(model(ids).logits, plain)
+
+
+def test_compare_survives_a_stop_at_eos_inside_a_round():
+    model = six_layers()
+    ids, mask = batch()
+    plain = model.generate(ids[:1], max_new_tokens=20, do_sample=False, eos_token_id=[], pad_token_id=0)
+    eos = int(plain[0, ids.shape[1] + 5])  # a token greedy decoding produces early
+    out, stats = kvpress.speculative_generate(model, ids[:1], draft=None, skip_layers=[2], gamma=4, max_new_tokens=20,
+                                              eos_token_id=eos, pad_token_id=0, return_stats=True, compare=True)
+    assert int(out[0, -1]) == eos and stats.plain_matches is True
+
+
+def test_clasp_runs_under_a_callers_chunked_prefill_patch():
+    """CLaSp's first choice comes from the first verification, so a caller's chunked prefill (which returns no
+    hidden states) works, and greedy stays plain greedy's."""
+    model = six_layers()
+    ids = torch.randint(3, 128, (1, 80), generator=torch.Generator().manual_seed(6))
+    with kvpress.patch_model(model, "snapkv", compression_ratio=0.5, window_size=8, prefill_chunk_size=32):
+        plain = model.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=[], pad_token_id=0)
+        out, stats = kvpress.speculative_generate(model, ids, draft=None, skip_layers=2, max_new_tokens=12,
+                                                  eos_token_id=[], pad_token_id=0, return_stats=True)
+    assert torch.equal(out, plain) and stats.skipped_layers

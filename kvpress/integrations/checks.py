@@ -77,7 +77,7 @@ CONTINUOUS_BATCHING = ("continuous batching (generate_batch, init_continuous_bat
                        "and paged attention, which kvpress does not compress (it would hold every token); allowed: "
                        "model.generate(...) on the patched model (batches of prompts, left-padded), kvpress.ask for "
                        "many questions over one document, kvpress's vLLM plugin for serving (`kvpress serve`), or "
-                       "unpatch() first")
+                       "unpatch() first (a kvpress call's own patch, e.g. kvpress.ask's, lasts while the call runs)")
 
 
 def check_generate(patch, model, args, kwargs) -> None:
@@ -94,13 +94,15 @@ def check_generate(patch, model, args, kwargs) -> None:
             f"question's); allowed: input_ids longer than {seen} tokens (and a cache.fork() per question), or "
             f"kvpress.compress(...).ask(...), which does this for you")
     config = kwargs.get("generation_config") or model.generation_config
-    implementation = kwargs.get("cache_implementation")
-    if (implementation or getattr(config, "cache_implementation", None)) == "paged":
+    given, configured = kwargs.get("cache_implementation"), getattr(config, "cache_implementation", None)
+    if (given or configured) == "paged":
         raise ValueError(CONTINUOUS_BATCHING)
-    if implementation not in (None, "dynamic"):  # (a KVPressCache grows as a dynamic cache does)
-        raise ValueError(f"cache_implementation={implementation!r}: a patched model's generate keeps its tokens in a "
-                         f"KVPressCache (the compressed cache), which transformers' {implementation!r} cache would "
-                         f"replace; allowed values: None or 'dynamic' (or unpatch() first)")
+    for name, implementation in (("cache_implementation", given), ("generation_config.cache_implementation",
+                                                                   configured)):
+        if implementation not in (None, "dynamic"):  # (a KVPressCache grows as a dynamic cache does)
+            raise ValueError(f"{name}={implementation!r}: a patched model's generate keeps its tokens in a KVPressCache "
+                             f"(the compressed cache), which transformers' {implementation!r} cache would replace; "
+                             f"allowed values: None or 'dynamic' (or unpatch() first)")
     asked = [name for name in _ASSISTED if (kwargs[name] if name in kwargs else getattr(config, name, None)) is not None]
     policy = patch.policy
     if asked and policy.name != "none":

@@ -5,6 +5,7 @@ serve`) is refused: it runs a paged cache and paged attention of its own, which 
 
 from __future__ import annotations
 
+import copy
 import functools
 
 from ..cache import KVPressCache
@@ -25,6 +26,12 @@ def wrap_generate(patch, generate):
         check_generate(patch, model, args, kwargs)
         if kwargs.get("cache_implementation") == "dynamic":  # what a KVPressCache is (checks.py refuses others)
             del kwargs["cache_implementation"]
+        if "generation_config" in kwargs and getattr(kwargs["generation_config"], "cache_implementation", None) == \
+                "dynamic":  # (the same, set in the config given)
+            kwargs["generation_config"] = copy.deepcopy(kwargs["generation_config"])
+            kwargs["generation_config"].cache_implementation = None
+        elif getattr(model.generation_config, "cache_implementation", None) == "dynamic":  # in the model's own
+            kwargs["cache_implementation"] = None
         if given_cache(kwargs) is None and kwargs.get("use_cache", True):
             kwargs[cache_argument(model)] = KVPressCache(model.config)
         with patch.running(None):

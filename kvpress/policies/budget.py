@@ -8,6 +8,8 @@ each layer at prefill (start_budget: `layer.row_budget`, and `layer.decode_start
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -103,6 +105,9 @@ class AllocatedBudgetPolicy(BudgetPolicy):
     @property
     def engine_refusal(self) -> str | None:
         if (refusal := super().engine_refusal) is not None:  # (the roles' and the protocol's first)
+            if self.budget_allocation != "uniform" and "uniform" in self.allocations and \
+                    not dataclasses.replace(self, budget_allocation="uniform").needs().model_pass:
+                refusal += " (this policy decides layer by layer with budget_allocation='uniform')"
             return refusal
         for field, allowed in (("budget_allocation", "uniform"), ("decode_budget", None), ("slack", 0)):
             if getattr(self, field) != allowed:

@@ -79,7 +79,7 @@ class CommVQ(Codec):
                 raise ValueError(f"{self.name}: {kind}_stages={asked} but the calibration's codebooks have {shipped}; "
                                  f"allowed values: 1 to {shipped} (or more with `{command} --codebook-stages N`)")
             pairs = calibration.codebooks[f"{kind}s"].shape[4]  # RoPE pairs per group: 2 * pairs channels
-            stages[kind] = min(shipped, round(READ_BITS * 2 * pairs / CODE_BITS)) if asked is None else asked
+            stages[kind] = min(shipped, max(1, round(READ_BITS * 2 * pairs / CODE_BITS))) if asked is None else asked
         ropes = {}  # one RoPE table per distinct rotary, shared by the layers that run it
         books = {}
         for i, layer in enumerate(calibration.layers):

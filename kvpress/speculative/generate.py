@@ -123,8 +123,8 @@ def _draft_and_target(draft, draft_params: dict, draft_budget, gamma: int, exist
         check_params(KIVI, draft_params)
         target = KIVI(bits=8, **draft_params) if existing is None else codec
         if target.residual_length < gamma:
-            raise ValueError(f"gamma={gamma} exceeds the full-precision residual, which must hold the drafts; "
-                             f"allowed values: gamma <= residual_length")
+            raise ValueError(f"gamma={gamma} exceeds the full-precision residual, which must hold the drafts (with "
+                             f"gamma='adaptive': its most, {gamma}); allowed values: gamma <= residual_length")
         return Quant4View(), target
     if draft is None:  # layers skipped, the whole cache read
         if draft_params:
@@ -250,12 +250,9 @@ def _loop(model, policy, input_ids, prompt_mask, view, length, max_new_tokens, d
     stats = SpeculativeStats()
     if skipper is not None and not skipper.plan.chooses:
         stats.skipped_layers.append(skipper.skipped)
-    choosing = skipper is not None and skipper.plan.chooses
-    logits = forward(input_ids[:, cache.get_seq_length():], hidden=choosing)
-    if choosing:  # CLaSp's first choice, from the prompt's last token
-        logits, hidden = logits
-        skipper.choose([h[:, -1] for h in hidden], stats)
-    token, _ = pick(logits[:, -1], input_ids)
+    # (CLaSp's first choice comes from the first verification: the prompt's hidden states would be all of its
+    # tokens', and a chunked prefill returns none)
+    token, _ = pick(forward(input_ids[:, cache.get_seq_length():])[:, -1], input_ids)
     stats.prefill_s = clock(device) - start
     baseline = cache.fork() if compare else None  # the prefilled cache, for the plain decoding compared with
     out = [token[:, None]]
@@ -336,6 +333,7 @@ def _loop(model, policy, input_ids, prompt_mask, view, length, max_new_tokens, d
             before = torch.cat([input_ids, plain], 1) if processor is not None else None
             plain = torch.cat([plain, pick(forward(plain[:, -1:], baseline)[:, -1], before)[0][:, None]], 1)
         stats.plain_decode_s = clock(device) - tick
+        hit = torch.isin(new, eos)  # (of the tokens returned: `new` may have been cut at the last row's EOS)
         after_eos = (hit.long().cumsum(1) - hit.long()) > 0  # padded as the speculative rows are
         stats.plain_matches = None if do_sample else bool(torch.equal(plain.masked_fill(after_eos, pad), new))
     record(model, stats)
@@ -343,7 +341,8 @@ def _loop(model, policy, input_ids, prompt_mask, view, length, max_new_tokens, d
 
 
 def custom_generate(model, input_ids, logits_processor=None, stopping_criteria=None, generation_config=None,
-                    draft="sink_window", gamma=4, draft_budget=None, compare=False, **model_kwargs):
+                    draft="sink_window", gamma=4, draft_budget=None, compare=False, skip_layers=None,
+                    reselect_every=1, **model_kwargs):
     """`model.generate(..., custom_generate=kvpress.speculative.custom_generate, draft=..., gamma=...)`.
     Uses the generation config's max length, EOS and pad tokens, and the logits processors generate prepared from it
     (repetition penalty, n-gram bans, bad words, min_new_tokens, and when sampling temperature, top-k and top-p),
@@ -370,4 +369,5 @@ def custom_generate(model, input_ids, logits_processor=None, stopping_criteria=N
         draft_budget=draft_budget, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id, cache=past,
         # (the processors generate prepared hold its temperature, top-k and top-p warpers when it samples)
         logits_processor=logits_processor if logits_processor else None, compare=compare,
+        skip_layers=skip_layers, reselect_every=reselect_every,
     )

@@ -14,6 +14,8 @@ to themselves (the paper's approximation: no context, so the choice costs about 
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import threading
 import time
 from dataclasses import dataclass
 from typing import Iterator
@@ -33,27 +35,51 @@ def decoder_layers(model) -> list[torch.nn.Module]:
     return [layers[i] for i in sorted(layers)]
 
 
-def _passing(hidden_states, *args, **kwargs):
-    return hidden_states
+# The layers the drafts of this thread (context) skip now. A layer passes its input through only where its thread
+# asks: calls on other threads that share the model (the one-call API's shared patch, a plain generate beside it)
+# run it as always.
+_SKIPPED: contextvars.ContextVar[frozenset] = contextvars.ContextVar("kvpress_skipped_layers", default=frozenset())
+_LOCK = threading.Lock()
+_INSTALLED: dict = {}  # id(layer) -> [layer, its own instance forward (or None), the calls using the wrapper]
+
+
+def _wrapper(layer, forward):
+    def skippable_forward(hidden_states, *args, **kwargs):
+        if id(layer) in _SKIPPED.get():
+            return hidden_states
+        return forward(hidden_states, *args, **kwargs)
+
+    return skippable_forward
 
 
 @contextlib.contextmanager
 def skipping(layers: list[torch.nn.Module], skipped) -> Iterator[None]:
-    """The layers at indices `skipped` pass their input through while the block runs (their own forward is put back
-    after, whatever happens)."""
-    changed = []
+    """The layers at indices `skipped` pass their input through, for this thread, while the block runs. Each layer
+    gets a wrapper while some call needs it; the last call out puts the layer's own forward back."""
+    targets = [layers[i] for i in skipped]
+    with _LOCK:
+        for layer in targets:
+            entry = _INSTALLED.get(id(layer))
+            if entry is None:
+                own = layer.__dict__.get("forward")
+                entry = _INSTALLED[id(layer)] = [layer, own, 0]
+                layer.forward = _wrapper(layer, own if own is not None else type(layer).forward.__get__(layer))
+            entry[2] += 1
+    token = _SKIPPED.set(_SKIPPED.get() | {id(layer) for layer in targets})
     try:
-        for i in skipped:
-            layer = layers[i]
-            changed.append((layer, layer.__dict__.get("forward")))
-            layer.forward = _passing
         yield
     finally:
-        for layer, before in changed:
-            if before is None:
-                del layer.forward
-            else:
-                layer.forward = before
+        _SKIPPED.reset(token)
+        with _LOCK:
+            for layer in targets:
+                entry = _INSTALLED[id(layer)]
+                entry[2] -= 1
+                if entry[2] == 0:
+                    del _INSTALLED[id(layer)]
+                    if entry[1] is None:
+                        del layer.forward
+                    else:
+                        layer.forward = entry[1]
 
 
 @dataclass
@@ -109,18 +135,24 @@ class Skipper:
         self.layers, self.plan = layers, plan
         decoder = decoder_of(model)
         self.rotary = getattr(decoder, "rotary_emb", None)
-        self.final_norm = getattr(decoder, "norm", None)  # what the model's last hidden state is reported after
+        # what the model's last hidden state is reported after (Llama-style `norm`, GPT-NeoX's, Phi's)
+        self.final_norm = next((getattr(decoder, name) for name in ("norm", "final_layer_norm", "final_layernorm")
+                                if callable(getattr(decoder, name, None))), None)
         self.skipped = plan.fixed
+        self.chosen = False  # CLaSp has chosen once (until then the drafts run every layer)
 
     def skipping(self):
         return skipping(self.layers, self.skipped)
 
     def due(self, round_number: int) -> bool:
-        return self.plan.chooses and round_number % self.plan.every == 0
+        """Whether this round's verification makes CLaSp's choice: the first one, then every `every` rounds (the
+        first round drafts with every layer)."""
+        return self.plan.chooses and (not self.chosen or round_number % self.plan.every == 0)
 
     def choose(self, hidden: list[torch.Tensor], stats) -> None:
         start = time.perf_counter()
         self.skipped = clasp_choice(self.layers, hidden, self.plan.count, self.rotary, self.final_norm)
+        self.chosen = True
         stats.select_s += time.perf_counter() - start
         stats.skipped_layers.append(self.skipped)
 
