@@ -285,7 +285,9 @@ def _loop(model, policy, input_ids, prompt_mask, view, length, max_new_tokens, d
         finally:
             cache.read_policy = None
         if g:  # the draft's KV of `last`, d_1..d_{g-1} (in the layers it ran): the verifier recomputes it exactly
-            cache.crop(seen)
+            # with layers skipped, each layer back to the length before the drafts (they all had it; check_skippable
+            # refuses models with sliding layers, whose length is not the tokens seen); else g from every layer
+            cache.crop(seen if skipper is not None else -g)
         t_verify = clock(device)
         stats.draft_s += t_verify - t_draft
         d = torch.stack(drafts, 1) if g else last.new_zeros(batch, 0)
