@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from .context import Context
 from .protocol import ModelPass, Needs, Policy
-from .roles import Codec, ReadView
+from .roles import OWN_LAYOUT, Codec, ReadView
 
 
 @dataclass
@@ -43,8 +43,7 @@ class Composed(Policy):
 
     @property
     def engine_refusal(self) -> str | None:
-        return (f"stores {self.codec.name}'s low-bit codes after eviction, which need kvpress's own cache layout, not "
-                f"the engine's pages; allowed: an eviction policy alone")
+        return f"stores {self.codec.name}'s low-bit codes after eviction, {OWN_LAYOUT}"
 
     @property
     def capture_refusal(self) -> str | None:

@@ -138,7 +138,7 @@ class KVzip(AllocatedBudgetPolicy):
         real = mask[:, seen - n_new:]  # this forward's real tokens, per row
         scores = {i: torch.zeros(*layer.key_valid().shape, device=device) for i, layer in run.layers()}
         replays = _replays(run.input_ids, real, seen - n_new, self.chunk_size, self.prompt, run.next_positions)
-        n_replays = max(1, max(math.ceil(int(r.sum()) / self.chunk_size) for r in real))
+        n_replays = _replay_count(real, self.chunk_size)
         for replay_ids, replay_mask, positions, chunk in tracked(replays, "kvzip replay", n_replays, unit="chunk"):
             def on_layer(ctx: Context, chunk=chunk):
                 s = scores[ctx.layer_idx]
@@ -215,6 +215,11 @@ def _gather_rows(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return tensor.gather(2, index[..., None].expand(-1, -1, -1, tensor.shape[-1]))
 
 
+def _replay_count(real: torch.Tensor, chunk_size: int) -> int:
+    """Replay forwards over rows whose real tokens are `real` [B, T]: the longest row's chunks (at least one)."""
+    return max(1, max(math.ceil(int(r.sum()) / chunk_size) for r in real))
+
+
 def _replays(input_ids: torch.Tensor, real: torch.Tensor, first_position: int, chunk_size: int,
              prompt: ReplayPrompt, next_positions: torch.Tensor):
     """Yield (replay ids [B, R], replay mask [B, R], RoPE positions [B, R], chunk [B, 2]) for each replay forward:
@@ -224,8 +229,7 @@ def _replays(input_ids: torch.Tensor, real: torch.Tensor, first_position: int, c
     device = input_ids.device
     rows = [input_ids[b][real[b]].tolist() for b in range(batch)]
     starts = [first_position + int((~real[b]).sum()) for b in range(batch)]  # raw position of each row's first
-    n_chunks = max(1, max(math.ceil(len(r) / chunk_size) for r in rows))
-    for i in range(n_chunks):
+    for i in range(_replay_count(real, chunk_size)):
         replays, chunks = [], []
         for b, tokens in enumerate(rows):
             part = tokens[i * chunk_size:(i + 1) * chunk_size]

@@ -32,6 +32,10 @@ from .context import Context
 from .protocol import Policy
 
 
+# why an engine that frees whole pages cannot hold what a codec or a storage tier stores (engine_refusal)
+OWN_LAYOUT = "which only kvpress's own cache layout holds, not the engine's pages; allowed: an eviction policy alone"
+
+
 @dataclass
 class Codec(Policy):
     """A storage codec: keeps every token, and moves old ones into low-bit codes."""
@@ -57,7 +61,7 @@ class Codec(Policy):
 
     @property
     def engine_refusal(self) -> str | None:
-        return "stores low-bit codes, which need kvpress's own cache layout, not the engine's pages; allowed: an eviction policy alone"
+        return f"stores low-bit codes, {OWN_LAYOUT}"
 
 
 
@@ -123,8 +127,7 @@ class StorageTier(Policy):
 
     @property
     def engine_refusal(self) -> str | None:
-        return ("is a storage tier, which needs kvpress's own cache layout, not the engine's pages; "
-                "allowed: an eviction policy alone")
+        return f"is a storage tier, {OWN_LAYOUT}"
 
     @property
     def capture_refusal(self) -> str | None:

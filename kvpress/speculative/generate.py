@@ -83,6 +83,11 @@ def _check_past(cache, input_ids):
                          f"on it); allowed values: a KVPressCache with read_policy=None")
 
 
+def _after_first(hit: torch.Tensor) -> torch.Tensor:
+    """[B, n] bool: the positions after each row's first hit (where a row that produced EOS is padded)."""
+    return (hit.long().cumsum(1) - hit.long()) > 0
+
+
 ADAPTIVE = (4, 16)  # gamma="adaptive": the first round's drafts, and the most a round drafts
 
 
@@ -229,16 +234,15 @@ def _loop(model, policy, input_ids, prompt_mask, view, length, max_new_tokens, d
     pad = pad_token_id if pad_token_id is not None else (int(eos[0]) if len(eos) else 0)
 
     def forward(tokens, on=None, hidden=False):
-        """The logits of `tokens` over the cache `on` (this call's by default); hidden: also every layer's input
-        hidden states and the last layer's output (for CLaSp's choice)."""
+        """The model's output for `tokens` over the cache `on` (this call's by default); hidden: with every layer's
+        input hidden states and the last layer's output (for CLaSp's choice)."""
         on = cache if on is None else on
         q = tokens.shape[1]
         grown = on.get_seq_length() + q - prompt_len
         mask = torch.cat([prompt_mask, prompt_mask.new_ones(batch, grown)], 1)
         positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)[:, -q:]
-        out = model(tokens, **with_cache(model, on, attention_mask=mask, position_ids=positions,
-                                         output_hidden_states=hidden))
-        return (out.logits, out.hidden_states) if hidden else out.logits
+        return model(tokens, **with_cache(model, on, attention_mask=mask, position_ids=positions,
+                                          output_hidden_states=hidden))
 
     def processed(logits, before):
         """logits [B, V] of the token after the ids `before` [B, n], as the caller's processor leaves them."""
@@ -252,7 +256,7 @@ def _loop(model, policy, input_ids, prompt_mask, view, length, max_new_tokens, d
         stats.skipped_layers.append(skipper.skipped)
     # (CLaSp's first choice comes from the first verification: the prompt's hidden states would be all of its
     # tokens', and a chunked prefill returns none)
-    token, _ = pick(forward(input_ids[:, cache.get_seq_length():])[:, -1], input_ids)
+    token, _ = pick(forward(input_ids[:, cache.get_seq_length():]).logits[:, -1], input_ids)
     stats.prefill_s = clock(device) - start
     baseline = cache.fork() if compare else None  # the prefilled cache, for the plain decoding compared with
     out = [token[:, None]]
@@ -278,7 +282,7 @@ def _loop(model, policy, input_ids, prompt_mask, view, length, max_new_tokens, d
                 current = last
                 for _ in range(g):
                     before = None if so_far is None else torch.cat([so_far, *(t[:, None] for t in drafts)], 1)
-                    d, q = pick(forward(current)[:, -1], before)
+                    d, q = pick(forward(current).logits[:, -1], before)
                     drafts.append(d)
                     q_probs.append(q)
                     current = d[:, None]
@@ -292,8 +296,8 @@ def _loop(model, policy, input_ids, prompt_mask, view, length, max_new_tokens, d
         stats.draft_s += t_verify - t_draft
         d = torch.stack(drafts, 1) if g else last.new_zeros(batch, 0)
         choosing = skipper is not None and skipper.due(stats.rounds + 1)
-        logits = forward(torch.cat([last, d], 1), hidden=choosing)  # [B, g+1, V], full view, every layer
-        logits, hidden = logits if choosing else (logits, None)
+        verified = forward(torch.cat([last, d], 1), hidden=choosing)  # full view, every layer
+        logits = verified.logits  # [B, g+1, V]
         if processor is not None:  # position j follows the ids so far and the first j drafts
             logits = torch.stack([processed(logits[:, j], torch.cat([so_far, d[:, :j]], 1)) for j in range(g + 1)], 1)
         if do_sample:
@@ -306,14 +310,13 @@ def _loop(model, policy, input_ids, prompt_mask, view, length, max_new_tokens, d
         tail = nxt if k == g else torch.where(n == k, nxt, d[:, k])
         emitted = torch.cat([d[:, :k], tail[:, None]], 1)  # k + 1 tokens for every row
         cache.crop(-(g - k))  # keep `last` and d_1..d_k, whose KV the verifier just wrote
-        if hidden is not None:  # CLaSp chooses again, from the hidden states of the last token kept
-            skipper.choose([h[:, k] for h in hidden], stats)
+        if choosing:  # CLaSp chooses again, from the hidden states of the last token kept
+            skipper.choose([h[:, k] for h in verified.hidden_states], stats)
         stats.verify_s += clock(device) - t_verify
         # rows that already produced EOS emit padding, as generate does
         done_before = finished[:, None].expand_as(emitted).clone()
         hit = torch.isin(emitted, eos)
-        after_eos = (hit.long().cumsum(1) - hit.long()) > 0
-        emitted = emitted.masked_fill(done_before | after_eos, pad)
+        emitted = emitted.masked_fill(done_before | _after_first(hit), pad)
         finished = finished | hit.any(1)
         out.append(emitted)
         produced += k + 1
@@ -333,10 +336,10 @@ def _loop(model, policy, input_ids, prompt_mask, view, length, max_new_tokens, d
         plain, tick = new[:, :1], clock(device)
         for _ in range(1, new.shape[1]):
             before = torch.cat([input_ids, plain], 1) if processor is not None else None
-            plain = torch.cat([plain, pick(forward(plain[:, -1:], baseline)[:, -1], before)[0][:, None]], 1)
+            plain = torch.cat([plain, pick(forward(plain[:, -1:], baseline).logits[:, -1], before)[0][:, None]], 1)
         stats.plain_decode_s = clock(device) - tick
-        hit = torch.isin(new, eos)  # (of the tokens returned: `new` may have been cut at the last row's EOS)
-        after_eos = (hit.long().cumsum(1) - hit.long()) > 0  # padded as the speculative rows are
+        # padded as the speculative rows are, after each row's EOS among the tokens returned (`new` may be cut)
+        after_eos = _after_first(torch.isin(new, eos))
         stats.plain_matches = None if do_sample else bool(torch.equal(plain.masked_fill(after_eos, pad), new))
     record(model, stats)
     return (result, stats) if return_stats else result
