@@ -1,8 +1,9 @@
 """Progress of long work, reported to whoever asked for it.
 
 A call that can run for more than a few seconds (a document's prefill, KVzip's replay, calibration, eval samples,
-benchmark requests) opens a `task` and advances it. Where the reports go is chosen once, by the outermost public
-call's `progress=` argument, and carried down by a context variable (the code in between needs no parameter):
+benchmark requests) opens a `task` and advances it. Where the reports go is chosen by the public call's `progress=`
+argument and carried down by a context variable, so the code in between needs no parameter (a public call made
+inside another sets its own: kvpress's nested calls, e.g. ask's compress, pass theirs on):
 
   True        on stderr (`Printed`), once a task has run 2 s, so short calls stay silent: a tqdm bar on a terminal,
               a plain line every 10 s elsewhere (a log file gets no escape codes). KVPRESS_PROGRESS=0 in the
