@@ -134,6 +134,23 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def each_in_its_own_process(script: str, configs: list, args, passed: tuple, name, extra: list = ()) -> list[dict]:
+    """Run `script --one CONFIG` for each config, one process each (an engine and its worker in it), passing on the
+    `passed` arguments; each config's result row, printed as it comes. `name(config)` labels a failure."""
+    rows = []
+    for config in configs:
+        command = [sys.executable, script, "--one", json.dumps(config)] + [
+            f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k in passed] + list(extra)
+        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0")}
+        run = subprocess.run(command, capture_output=True, text=True, env=env)
+        found = [line for line in run.stdout.splitlines() if line.startswith("RESULT")]
+        if run.returncode or not found:
+            sys.exit(f"{name(config)} failed:\n{run.stderr[-4000:]}")
+        rows.append(json.loads(found[-1][len("RESULT"):]))
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2")
@@ -149,18 +166,9 @@ def main(argv=None) -> None:
     if args.one is not None:
         print("RESULT" + json.dumps(run_config(args, json.loads(args.one))))
         return
-    rows = []
-    for settings in parse_configs(args.configs):
-        command = [sys.executable, __file__, "--one", json.dumps(settings)] + [
-            f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-            if k in ("model", "requests", "prompt_tokens", "new_tokens", "kv_requests")] + (["--eager"] * args.eager)
-        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0")}
-        run = subprocess.run(command, capture_output=True, text=True, env=env)
-        found = [line for line in run.stdout.splitlines() if line.startswith("RESULT")]
-        if run.returncode or not found:
-            sys.exit(f"{label(settings)} failed:\n{run.stderr[-4000:]}")
-        rows.append(json.loads(found[-1][len("RESULT"):]))
-        print(json.dumps(rows[-1]), flush=True)
+    rows = each_in_its_own_process(__file__, parse_configs(args.configs), args,
+                                   ("model", "requests", "prompt_tokens", "new_tokens", "kv_requests"), label,
+                                   ["--eager"] * args.eager)
     summary = table(rows)
     print(summary)
     if args.out:

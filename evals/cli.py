@@ -225,20 +225,21 @@ def _run_engine(plan: Plan, args, tokenizer, items: list, done: set, sink, bar) 
     stop = sorted({*(eos if isinstance(eos, list) else [eos] if eos is not None else []),
                    *([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])})
     counts = dict(evaluated=0, skipped=0)
-    for config in plan.configs:
-        work = [(sample, length) for sample, length in samples if config in _missing(plan, sample, length,
-                                                                                    "query_aware", done)]
-        counts["skipped"] += len(samples) - len(work)
-        if work:
-            bar.advance(0, note=f"{config.policy} {config.ratio}: {len(work)} samples through vLLM")
-            rows = vllm_engine.evaluate(plan.model_path, tokenizer, work, config, args.dtype,
-                                        int(args.kv_cache_gib * 2**30), stop, args.page_tokens)
-            by_sample = {}
-            for row in rows:
-                by_sample.setdefault((row["task"], row["index"]), []).append(row)
-            for sample, length in work:
-                _write(sink, plan, by_sample[(sample.task, sample.index)], length)
-            counts["evaluated"] += len(work)
+    for mode in plan.modes:
+        for config in plan.configs:
+            work = [(sample, length) for sample, length in samples if config in _missing(plan, sample, length, mode,
+                                                                                        done)]
+            counts["skipped"] += len(samples) - len(work)
+            if work:
+                bar.advance(0, note=f"{config.policy} {config.ratio} {mode}: {len(work)} samples through vLLM")
+                rows = vllm_engine.evaluate(plan.model_path, tokenizer, work, config, args.dtype,
+                                            int(args.kv_cache_gib * 2**30), stop, args.page_tokens, mode)
+                by_sample = {}
+                for row in rows:
+                    by_sample.setdefault((row["task"], row["index"]), []).append(row)
+                for sample, length in work:
+                    _write(sink, plan, by_sample[(sample.task, sample.index)], length)
+                counts["evaluated"] += len(work)
         bar.advance(len(samples))
     return counts
 

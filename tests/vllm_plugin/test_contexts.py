@@ -66,6 +66,7 @@ def transformers_answer(model, name, params_, context, question, kept):
 
 
 def test_a_context_is_compressed_once_and_shared_by_later_requests(llm, hf, document):
+    assert scheduler(llm).kv_cache_manager.enable_caching  # kvpress leaves vLLM's prefix caching on
     doc, questions = document
     end = len(doc) // PAGE * PAGE  # the context, rounded down to whole pages; its last tokens go with the question
     evicted = evicted_tokens(resolve_policy(**ENGINE), end, PAGE)

@@ -1,7 +1,8 @@
 """The README in the vLLM environment (vLLM's CPU build pins an older transformers, 5.19): its vLLM block runs as
 written, and so do its other Python blocks (the oldest transformers kvpress allows)."""
 
-import gc
+import os
+import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -11,15 +12,26 @@ sys.path.insert(0, str(Path(__file__).parent.parent))
 from test_readme import PYTHON, vllm_blocks  # noqa: E402
 
 
-def test_the_vllm_block_runs_as_written():
+def test_the_vllm_block_runs_as_a_script(tmp_path):
+    """Saved as a file and run as a user runs it: vLLM's engine in a process of its own (spawned)."""
     (block,) = vllm_blocks()
-    namespace: dict = {}
-    exec(compile(block, "README.md vLLM block", "exec"), namespace)
-    outputs = namespace["outputs"]
-    assert len(outputs) == 1 and outputs[0].outputs[0].token_ids
-    namespace["llm"].llm_engine.engine_core.shutdown()
-    namespace.clear()
-    gc.collect()
+    script = tmp_path / "readme_vllm.py"
+    script.write_text(block)
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=900,
+                         cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.strip().splitlines()
+    first, second = (line.split(" ", 1) for line in lines[-2:])
+    assert first[0] == "0" and int(second[0]) > 0  # the second question was handed the compressed document
+
+
+def test_models_are_prepared_from_the_main_environment(tmp_path):
+    """.venv-vllm has no gguf: converting a model there says where to do it, before any download."""
+    env = {**os.environ, "KVPRESS_MODELS_DIR": str(tmp_path)}
+    run = subprocess.run([sys.executable, "-m", "kvpress.models", "smollm2"], capture_output=True, text=True, env=env,
+                         timeout=120)
+    assert run.returncode != 0 and "make models" in run.stderr and not any(tmp_path.iterdir())
 
 
 def test_the_other_blocks_run_on_the_older_transformers(tmp_path, monkeypatch):

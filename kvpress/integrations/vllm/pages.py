@@ -45,16 +45,26 @@ class KVPressManager(FullAttentionManager):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._plans: dict[str, Plan] = {}  # requests that compress, from their first allocation to their end
+        # the requests that compress, from their arrival to their end (kvpress's scheduler tells: a request keeps
+        # its plan through preemption, when its blocks are freed and allocated again)
+        self._plans: dict[str, Plan] = {}
 
     def plan(self, request) -> Plan:
         return plan_of_request(self.kv_cache_spec.settings, request, self.block_size)
 
-    def cache_blocks(self, request, num_tokens: int, *args, **kwargs) -> None:
+    def arrived(self, request) -> Plan:
         plan = self.plan(request)
-        if not plan.compresses:
+        if plan.compresses:
+            self._plans[request.request_id] = plan
+        return plan
+
+    def finished(self, request_id: str) -> None:
+        self._plans.pop(request_id, None)
+
+    def cache_blocks(self, request, num_tokens: int, *args, **kwargs) -> None:
+        plan = self._plans.get(request.request_id)
+        if plan is None:
             return super().cache_blocks(request, num_tokens, *args, **kwargs)
-        self._plans[request.request_id] = plan
         if not plan.shared or num_tokens < plan.end:
             return  # never named, or not yet: before the step that compacts them, they hold the whole context
         first = plan.evicted // self.block_size  # the evicted pages are freed unnamed
@@ -69,10 +79,6 @@ class KVPressManager(FullAttentionManager):
             return  # nothing to free, or the context is not computed (and compacted) yet
         # iterates from the last evicted page down and stops at a freed one: a no-op after the first call
         self._remove_blocks_in_range(request_id, 0, plan.evicted // self.block_size)
-
-    def pop_blocks_for_free(self, request_id: str) -> list:
-        self._plans.pop(request_id, None)
-        return super().pop_blocks_for_free(request_id)
 
     def shared_context_hit(self, request, plan: Plan, max_length: int) -> tuple[list, int]:
         """A later request's share of a compacted context: null blocks for its evicted pages, then the context's

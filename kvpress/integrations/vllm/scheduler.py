@@ -32,13 +32,19 @@ class Scheduler(VLLMScheduler):
 
     def add_request(self, request) -> None:
         if self._compressed is not None:
-            plan = self._compressed.plan(request)
+            plan = self._compressed.arrived(request)
             if plan.compresses:
                 # vLLM computed the request's block hashes when it built it; they are computed again with the salt
                 request.cache_salt = plan.salt(request.prompt_token_ids, request.cache_salt)
                 request.block_hashes.clear()
                 request.update_block_hashes()
         super().add_request(request)
+
+    def _free_request(self, request, *args, **kwargs):
+        out = super()._free_request(request, *args, **kwargs)
+        if self._compressed is not None:
+            self._compressed.finished(request.request_id)
+        return out
 
     def _reserve_prefill_lookahead(self, request, num_computed_tokens: int, num_new_tokens: int) -> int:
         num_new_tokens = super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)
