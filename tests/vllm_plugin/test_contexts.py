@@ -183,3 +183,15 @@ def test_nothing_leaks_through_aborts_preemption_and_prefix_cache_eviction(token
         requests = worker(llm).requests
         run(llm, [[1, 2, 3]], SamplingParams(max_tokens=2))
         assert not requests._compressing
+
+
+def test_a_compiled_engine_serves_shared_contexts_as_an_eager_one(llm, document):
+    """Every other engine in these tests runs eagerly (they start in seconds); this one compiles the model (vLLM's
+    CPU default), with kvpress's backend as its attention."""
+    doc, (q, _) = document
+    sampling = params({"context_tokens": len(doc)})
+    eager = run(llm, [doc + q], sampling)[0].outputs[0].token_ids
+    with engine(ENGINE, enable_prefix_caching=True, enforce_eager=False) as compiled:
+        first, second = (run(compiled, [doc + q], sampling)[0] for _ in range(2))
+    assert second.num_cached_tokens == len(doc) // PAGE * PAGE
+    assert first.outputs[0].token_ids == second.outputs[0].token_ids == eager
