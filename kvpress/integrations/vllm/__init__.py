@@ -126,7 +126,7 @@ def configure(vllm_config) -> None:
         if isinstance(part, DecodeEviction):
             logger.warning("kvpress: %s evicts while decoding under transformers; in vLLM it cuts the prompt only "
                            "(decode-time eviction is not served yet)", part.name)
-    logger.info("kvpress: serving %s in %d-token pages; per request (extra_args['%s']): a policy of its own, and "
+    logger.info("kvpress: serving %s in %s-token pages; per request (extra_args['%s']): a policy of its own, and "
                 "%s (a context compressed once and shared by the requests that repeat it%s)",
                 settings.policy.describe(), cache.block_size, KEY, "context_tokens",
                 "" if cache.enable_prefix_caching else "; prefix caching is off, so each request computes it")
