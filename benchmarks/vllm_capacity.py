@@ -30,13 +30,13 @@ from pathlib import Path
 PAGE = 128
 
 
-def prompts(tokenizer, n: int, length: int) -> list[list[int]]:
+def prompts(tokenizer, n: int, length: int, first_seed: int = 1000) -> list[list[int]]:
     """`n` prompts of exactly `length` tokens of kvpress's haystack text, each from its own seed."""
     from kvpress.needle import haystack_sentences
 
     out = []
-    for seed in range(n):
-        sentences, ids = haystack_sentences(1000 + seed), []
+    for seed in range(first_seed, first_seed + n):
+        sentences, ids = haystack_sentences(seed), []
         while len(ids) < length:
             ids += tokenizer(" ".join(next(sentences) for _ in range(64)), add_special_tokens=False).input_ids
         out.append(ids[:length])
@@ -151,6 +151,14 @@ def each_in_its_own_process(script: str, configs: list, args, passed: tuple, nam
     return rows
 
 
+def append_rows(out: Path, rows: list[dict]) -> None:
+    """Add this run's rows, each with the command that made it, to out/results.jsonl."""
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "results.jsonl", "a", encoding="utf-8") as f:
+        for r in rows:
+            f.write(json.dumps(dict(r, command=" ".join(sys.argv))) + "\n")
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2")
@@ -169,14 +177,9 @@ def main(argv=None) -> None:
     rows = each_in_its_own_process(__file__, parse_configs(args.configs), args,
                                    ("model", "requests", "prompt_tokens", "new_tokens", "kv_requests"), label,
                                    ["--eager"] * args.eager)
-    summary = table(rows)
-    print(summary)
+    print(table(rows))
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        with open(out / "results.jsonl", "a", encoding="utf-8") as f:
-            for r in rows:
-                f.write(json.dumps(dict(r, command=" ".join(sys.argv))) + "\n")
+        append_rows(Path(args.out), rows)
 
 
 if __name__ == "__main__":

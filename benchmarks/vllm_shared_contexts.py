@@ -28,11 +28,10 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import sys
 import time
 from pathlib import Path
 
-from vllm_capacity import each_in_its_own_process  # (benchmarks/ is on the path of a script run from it)
+from vllm_capacity import append_rows, each_in_its_own_process, prompts  # (benchmarks/ is on the path of a script run from it)
 
 PAGE = 128
 QUESTIONS = [" Question: what is the first thing this text says about the river? Answer:",
@@ -45,18 +44,6 @@ QUESTIONS = [" Question: what is the first thing this text says about the river?
              " Question: give a title for this text. Answer:"]
 
 
-def documents(tokenizer, n: int, length: int) -> list[list[int]]:
-    from kvpress.needle import haystack_sentences
-
-    out = []
-    for seed in range(n):
-        sentences, ids = haystack_sentences(2000 + seed), []
-        while len(ids) < length:
-            ids += tokenizer(" ".join(next(sentences) for _ in range(64)), add_special_tokens=False).input_ids
-        out.append(ids[:length])
-    return out
-
-
 def run_config(args, config: dict) -> dict:
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams, TokensPrompt
@@ -65,7 +52,7 @@ def run_config(args, config: dict) -> dict:
 
     folder = str(model_path(args.model))
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    docs = documents(tokenizer, args.documents, args.doc_tokens)
+    docs = prompts(tokenizer, args.documents, args.doc_tokens, first_seed=2000)  # real text, a seed each
     questions = [tokenizer(q, add_special_tokens=False).input_ids for q in QUESTIONS[:args.questions]]
     queue = [(d, q) for d in range(len(docs)) for q in range(len(questions))]
     random.Random(0).shuffle(queue)
@@ -144,14 +131,9 @@ def main(argv=None) -> None:
     rows = each_in_its_own_process(__file__, parse_configs(args.configs) * args.repeats, args,
                                    ("model", "documents", "questions", "doc_tokens", "new_tokens", "kv_documents"),
                                    lambda config: config["label"])
-    summary = table(rows)
-    print(summary)
+    print(table(rows))
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        with open(out / "results.jsonl", "a", encoding="utf-8") as f:
-            for r in rows:
-                f.write(json.dumps(dict(r, command=" ".join(sys.argv))) + "\n")
+        append_rows(Path(args.out), rows)
 
 
 if __name__ == "__main__":
