@@ -10,10 +10,10 @@ requests, scheduled by vLLM. Greedy answers end at the model's stop tokens or th
   compressed where it ends (rounded down to whole pages; its last tokens are computed with the question), without
   the question, and the sample's other questions are handed the compacted context by the prefix cache.
 
-Per row: kv_bytes = the K/V bytes of the tokens each layer keeps after the prompt (as the transformers path counts
-them); cache_bytes = the engine's pages held after the prompt (whole pages); prefill_s / decode_s = the request's
-own first-token and decode times in the shared engine (requests overlap: `batch` says how many ran together);
-cached_tokens = prompt tokens handed from the prefix cache.
+Per row: kv_bytes = the K/V bytes of the tokens each layer keeps after the prompt, or after the context in
+query_agnostic mode (as the transformers path counts them); cache_bytes = the engine's pages held then (whole
+pages); prefill_s / decode_s = the request's own first-token and decode times in the shared engine (requests
+overlap: `batch` says how many ran together); cached_tokens = prompt tokens handed from the prefix cache.
 """
 
 from __future__ import annotations
@@ -114,8 +114,11 @@ def evaluate(path, tokenizer, work: list, config, dtype: str, kv_bytes: int, sto
         n = len(p.head) + len(p.tail)
         end = len(p.head) // page * page if agnostic else n  # where the engine compresses (plans.py)
         evicted = evicted_tokens(policy, end, page) if end else 0
-        kept = n - evicted
-        pages = -(-n // page) - evicted // page
+        # what the cache holds once the compressed part is computed, as the transformers path counts it: the prompt
+        # (query_aware), or the context, before any question (query_agnostic)
+        counted = len(p.head) if agnostic else n
+        kept = counted - evicted
+        pages = -(-counted // page) - evicted // page
         timing = out.metrics
         rows.append(dict(
             task=sample.task, index=sample.index, length=sample.meta.get("target_length"), n_tokens=n,
