@@ -16,6 +16,7 @@ import evals.cli
 import evals.runner
 import kvpress.policies.budget as budget
 from evals.samples import encode
+from kvpress.integrations.vllm.plans import context_end
 from kvpress.policies.allocation import whole_pages
 
 
@@ -26,7 +27,7 @@ def main(argv: list[str]) -> None:
 
     def engine_context(*args, **kwargs):
         head, tail = encode(*args, **kwargs)
-        end = len(head) // page * page
+        end = context_end(len(head), len(head) + len(tail), page)
         if end == 0:  # a context under a page: the engine evicts none of it, nor does a page-raised budget here
             return head, tail
         return head[:end], head[end:] + tail

@@ -84,7 +84,7 @@ def evaluate(path, tokenizer, work: list, config, dtype: str, kv_bytes: int, sto
     (sample, length) pairs."""
     from vllm import SamplingParams, TokensPrompt
 
-    from kvpress.integrations.prompts import evicted_tokens
+    from kvpress.integrations.vllm.plans import plan_of
     from kvpress.integrations.vllm.settings import EngineSettings
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: faster on few cores
@@ -93,7 +93,7 @@ def evaluate(path, tokenizer, work: list, config, dtype: str, kv_bytes: int, sto
                for sample, length in work for qi, q in enumerate(sample.questions)]
     longest = max(len(p.head) + len(p.tail) + p.sample.max_new_tokens for p in pending)
     settings = settings_of(config)
-    policy = EngineSettings.parse(settings).policy
+    engine_text = EngineSettings.parse(settings).text
     text = _text_config(path)
     token_bytes = 2 * text.num_hidden_layers * text.num_key_value_heads * _head_dim(text) * (4 if dtype == "float32"
                                                                                                else 2)
@@ -102,18 +102,17 @@ def evaluate(path, tokenizer, work: list, config, dtype: str, kv_bytes: int, sto
                      block_size=page, kv_cache_memory_bytes=kv_bytes, enable_prefix_caching=agnostic,
                      disable_log_stats=False, seed=0) as llm:
         prompts = [TokensPrompt(prompt_token_ids=p.head + p.tail) for p in pending]
+        extra_args = [{"kvpress": {"context_tokens": len(p.head)}} if agnostic else None for p in pending]
         params = [SamplingParams(max_tokens=p.sample.max_new_tokens, temperature=0, stop_token_ids=stop,
-                                 **({"extra_args": {"kvpress": {"context_tokens": len(p.head)}}} if agnostic else {}))
-                  for p in pending]
+                                 **({"extra_args": extra} if extra else {})) for p, extra in zip(pending, extra_args)]
         outputs = llm.generate(prompts, params, use_tqdm=False)
     rows = []
-    for p, out in zip(pending, outputs):
+    for p, out, extra in zip(pending, outputs, extra_args):
         sample, question = p.sample, p.sample.questions[p.question]
         completion = out.outputs[0]
         prediction = tokenizer.decode(completion.token_ids, skip_special_tokens=True)
         n = len(p.head) + len(p.tail)
-        end = len(p.head) // page * page if agnostic else n  # where the engine compresses (plans.py)
-        evicted = evicted_tokens(policy, end, page) if end else 0
+        evicted = plan_of(engine_text, extra, n, page).evicted  # what the engine evicts, where it compresses
         # what the cache holds once the compressed part is computed, as the transformers path counts it: the prompt
         # (query_aware), or the context, before any question (query_agnostic)
         counted = len(p.head) if agnostic else n

@@ -23,7 +23,7 @@ import logging
 import os
 
 from ...policies import DecodeEviction
-from .settings import KEY, EngineSettings, RequestSettings
+from .settings import KEY, EngineSettings, RequestSettings, request_policy
 
 logger = logging.getLogger("kvpress")
 WORKER = "kvpress.integrations.vllm.worker.Worker"
@@ -71,7 +71,7 @@ def check_request(processed_inputs, params) -> None:
     if ids is not None:
         settings.check_prompt(len(ids))
     if settings.policy_text is not None:
-        policy = EngineSettings.parse(settings.policy_text).policy
+        policy = request_policy(settings.policy_text)
         if policy.needs().hidden_states and not (_RECORDS_INPUTS and all(_RECORDS_INPUTS)):
             raise ValueError(f"extra_args['{KEY}']: policy {policy.name!r} reads each layer's attention input, which "
                              f"an engine records only when its own policy reads it; allowed: an engine started with "

@@ -49,14 +49,15 @@ class KVPressManager(FullAttentionManager):
         # its plan through preemption, when its blocks are freed and allocated again)
         self._plans: dict[str, Plan] = {}
 
-    def plan(self, request) -> Plan:
-        return plan_of_request(self.kv_cache_spec.settings, request, self.block_size)
-
     def arrived(self, request) -> Plan:
-        plan = self.plan(request)
+        plan = plan_of_request(self.kv_cache_spec.settings, request, self.block_size)
         if plan.compresses:
             self._plans[request.request_id] = plan
         return plan
+
+    def planned(self, request_id: str) -> Plan | None:
+        """The plan of a request that compresses; None for one that vLLM serves as it is."""
+        return self._plans.get(request_id)
 
     def finished(self, request_id: str) -> None:
         self._plans.pop(request_id, None)
@@ -90,12 +91,10 @@ class KVPressManager(FullAttentionManager):
         for i in range(plan.evicted // page, min(len(hashes), max_length // page)):
             cached = self.block_pool.get_cached_block(hashes[i], [self.kv_cache_group_id])
             if cached is None:
-                if i < plan.end // page:
-                    return [], 0  # part of the context is gone (evicted from the cache): compute it again
                 break
             blocks.append(cached[0])
         if len(blocks) * page < plan.end:
-            return [], 0
+            return [], 0  # part of the context is gone (evicted from the cache): compute it again
         return blocks, len(blocks) * page
 
 

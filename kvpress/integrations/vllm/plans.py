@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from ...policies import Policy
 from ..prompts import evicted_tokens
-from .settings import EngineSettings, RequestSettings
+from .settings import EngineSettings, RequestSettings, request_policy
 
 
 @dataclass(frozen=True)
@@ -51,22 +51,25 @@ def _engine(text: str) -> EngineSettings:
     return EngineSettings.parse(text)
 
 
-@functools.lru_cache(maxsize=256)
-def _request_policy(text: str) -> Policy:
-    return EngineSettings.parse(text).policy
-
-
 @functools.lru_cache(maxsize=4096)
 def _plan(engine_text: str, request: RequestSettings | None, prompt_length: int, page_size: int) -> Plan:
     if request is not None and request.policy_text is not None:
-        policy, text = _request_policy(request.policy_text), request.policy_text
+        policy, text = request_policy(request.policy_text), request.policy_text
     else:
         engine = _engine(engine_text)
         policy, text = engine.policy, engine.text
     context = None if request is None else request.context_tokens
-    end = prompt_length if context is None else min(context, prompt_length - 1) // page_size * page_size
+    end = context_end(context, prompt_length, page_size)
     evicted = evicted_tokens(policy, end, page_size) if end > 0 else 0
     return Plan(policy, text, end, evicted, shared=context is not None and evicted > 0)
+
+
+def context_end(context_tokens: int | None, prompt_length: int, page_size: int) -> int:
+    """Where a prompt is compressed: its declared context's end rounded down to whole pages (the question keeps at
+    least one token), or the prompt's end when it declares none."""
+    if context_tokens is None:
+        return prompt_length
+    return min(context_tokens, prompt_length - 1) // page_size * page_size
 
 
 def plan_of(engine_text: str, extra_args, prompt_length: int, page_size: int) -> Plan:

@@ -48,17 +48,14 @@ class Scheduler(VLLMScheduler):
 
     def _reserve_prefill_lookahead(self, request, num_computed_tokens: int, num_new_tokens: int) -> int:
         num_new_tokens = super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)
-        if self._compressed is not None:
-            plan = self._compressed.plan(request)
-            if plan.compresses and num_computed_tokens < plan.end < num_computed_tokens + num_new_tokens:
-                num_new_tokens = plan.end - num_computed_tokens  # the step ends where the context does
+        plan = None if self._compressed is None else self._compressed.planned(request.request_id)
+        if plan is not None and num_computed_tokens < plan.end < num_computed_tokens + num_new_tokens:
+            num_new_tokens = plan.end - num_computed_tokens  # the step ends where the context does
         return num_new_tokens
 
     def _get_local_prefix_cache_hit(self, request):
-        if self._compressed is None:
-            return super()._get_local_prefix_cache_hit(request)
-        plan = self._compressed.plan(request)
-        if not plan.compresses:
+        plan = None if self._compressed is None else self._compressed.planned(request.request_id)
+        if plan is None:
             return super()._get_local_prefix_cache_hit(request)
         manager = self.kv_cache_manager
         if not plan.shared or self._shares is None or not manager.prefix_cache_lookup_enabled(request):

@@ -19,6 +19,7 @@ would mean different things under different engine policies.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 
@@ -87,6 +88,13 @@ class EngineSettings:
         return cls.parse(extra[KEY])
 
 
+@functools.lru_cache(maxsize=256)
+def request_policy(text: str) -> Policy:
+    """The servable policy a request's settings name (RequestSettings.policy_text), resolved once per text: every
+    process reads a request's settings again at each step it plans."""
+    return _policy(json.loads(text), f"extra_args['{KEY}']")
+
+
 @dataclass(frozen=True)
 class RequestSettings:
     """What one request asks of kvpress (SamplingParams.extra_args['kvpress'])."""
@@ -117,8 +125,8 @@ class RequestSettings:
                              f"engine's policy), or a policy with its parameters, such as {_EXAMPLE}")
         policy_text = None
         if params:
-            _policy(params, where)  # checked here, in the process that answers the client
             policy_text = json.dumps(params, sort_keys=True)
+            request_policy(policy_text)  # checked here, in the process that answers the client
         return cls(policy_text, context)
 
     def check_prompt(self, prompt_length: int) -> None:
@@ -127,7 +135,3 @@ class RequestSettings:
             raise ValueError(f"extra_args['{KEY}']: {CONTEXT}={self.context_tokens} for a prompt of {prompt_length} "
                              f"tokens; allowed: 1 to {prompt_length - 1} (the context, then at least one token of "
                              f"question)")
-
-    @property
-    def text(self) -> str:
-        return json.dumps({"policy": self.policy_text, CONTEXT: self.context_tokens}, sort_keys=True)
