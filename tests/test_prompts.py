@@ -110,14 +110,32 @@ def test_evicted_tokens():
     ("kvzip", dict(compression_ratio=0.5), "every layer at once"),
     ("kvzap", dict(compression_ratio=0.5), "every layer at once"),  # its default budget is global
     ("snapkv", dict(compression_ratio=0.5, budget_allocation="pyramid"), "budget_allocation='pyramid'"),
-    ("h2o", dict(compression_ratio=0.5, decode_budget=8), "decode_budget=8"),
-    ("tova", dict(compression_ratio=0.5, slack=4), "slack=4"),
+    ("h2o", dict(compression_ratio=0.5, decode_budget=8), "observes at every decode step.*decode_budget=None"),
+    ("h2o", dict(compression_ratio=0.5, slack=15), "observes at every decode step.*slack=0"),
+    ("kvzap", dict(compression_ratio=0.5, budget_allocation="uniform", decode_budget=8), "observes at every"),
     ("duo_attention", {}, "query rows"),
     ("freqkv", dict(compression_ratio=0.5, cache_local_positions=False), "merges tokens"),
 ])
 def test_what_an_engine_cannot_serve_is_refused(policy, params, message):
     with pytest.raises(ValueError, match=message):
         check_servable(resolve_policy(policy, **params))
+
+
+def test_paged_decode_cuts_free_whole_pages():
+    """(tokens per decode-time cut, tokens held after each): whole pages per cut, or refused; the transformers
+    path's schedule (a cut once a head would hold `held + slack + 1`, back to `held`)."""
+    tova = resolve_policy("tova", budget=100, slack=15)
+    assert tova.paged_decode_cuts(300, 16) == (16, 108)  # the prompt's budget raised to whole evicted pages
+    assert tova.paged_decode_cuts(50, 16) == (16, 100)  # a prompt under the budget: the budget, not the prompt
+    assert resolve_policy("tova", budget=100, slack=31).paged_decode_cuts(300, 16) == (32, 108)
+    keydiff = resolve_policy("keydiff", compression_ratio=0.5, decode_budget=8, slack=15)
+    assert keydiff.paged_decode_cuts(300, 16) == (16, 156 + 8)  # prompt kept, then the generated tokens
+    for policy in (resolve_policy("tova", budget=100), resolve_policy("snapkv", budget=100), resolve_policy("none")):
+        assert policy.paged_decode_cuts(300, 16) == (0, 0)  # the prompt's cut only (one token a step frees no page)
+    with pytest.raises(ValueError, match=r"tova: slack=4 .* allowed values: slack = k \* 16 - 1 \(e.g. 15\)"):
+        resolve_policy("tova", budget=100, slack=4).paged_decode_cuts(300, 16)
+    with pytest.raises(ValueError, match="slack=0 evicts 1 tokens"):
+        resolve_policy("keydiff", budget=100, decode_budget=8).paged_decode_cuts(300, 16)
 
 
 def test_servable_policies_pass():

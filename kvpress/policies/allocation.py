@@ -32,11 +32,12 @@ def validate_allocation(owner: str, allocation, floor, beta, allowed=ALLOCATIONS
 def whole_pages(budget: torch.Tensor, n_real: torch.Tensor, page_size: int) -> torch.Tensor:
     """The budget [B] a paged engine keeps: raised (by fewer than `page_size` tokens) until the tokens it evicts
     from each row's `n_real` prompt tokens fill whole pages, so every evicted page can go back to the pool. A
-    budget at or above the prompt keeps it all. page_size 1 (no pages) leaves the budget as it is."""
+    budget at or above the prompt keeps it all (and stays the budget while decoding). page_size 1 (no pages)
+    leaves the budget as it is."""
     if page_size == 1:
         return budget
     evicted = (n_real - budget).clamp(min=0) // page_size * page_size
-    return n_real - evicted
+    return torch.maximum(budget.to(n_real.dtype), n_real - evicted)  # (a prompt under its budget: the budget stays)
 
 
 def pyramid_budgets(mean_budget: torch.Tensor, n_real: torch.Tensor, n_layers: int, window: int,

@@ -109,12 +109,35 @@ class AllocatedBudgetPolicy(BudgetPolicy):
                     not dataclasses.replace(self, budget_allocation="uniform").needs().model_pass:
                 refusal += " (this policy decides layer by layer with budget_allocation='uniform')"
             return refusal
-        for field, allowed in (("budget_allocation", "uniform"), ("decode_budget", None), ("slack", 0)):
-            if getattr(self, field) != allowed:
-                return (f"{field}={getattr(self, field)!r} is not served by an engine yet (it keeps one page-aligned "
-                        f"budget per request for every layer and head, decided at the prompt's end); allowed "
-                        f"values: {field}={allowed!r}")
+        if self.budget_allocation != "uniform":
+            return (f"budget_allocation={self.budget_allocation!r} is not served by an engine yet (it keeps one "
+                    f"page-aligned budget per request for every layer and head); allowed values: "
+                    f"budget_allocation='uniform'")
+        if self._cuts_while_decoding() and self.observes_decode:
+            allowed = "decode_budget=None" if self.decode_budget is not None else "slack=0 (the prompt's cut only)"
+            return (f"{self.decode_change}, by what it observes at every decode step; an engine cuts every slack + 1 "
+                    f"steps from its pages and does not run the steps between through the policy; allowed values: "
+                    f"{allowed}")
         return None
+
+    def _cuts_while_decoding(self) -> bool:
+        return self.decode_budget is not None or (isinstance(self, DecodeEviction) and self.slack > 0)
+
+    def paged_decode_cuts(self, prompt_length: int, page_size: int) -> tuple[int, int]:
+        # slack=0 without decode_budget: a decode-time evictor's one token per step frees no page; the engine cuts
+        # the prompt only and says so in its log (integrations/vllm configure)
+        if not self._cuts_while_decoding():
+            return 0, 0
+        cut = self.slack + 1
+        if cut % page_size:
+            raise ValueError(f"{self.name}: slack={self.slack!r} evicts {cut} tokens per decode-time cut, which an "
+                             f"engine of {page_size}-token pages cannot free as whole pages; allowed values: slack = "
+                             f"k * {page_size} - 1 (e.g. {page_size - 1})")
+        n = torch.tensor([prompt_length])
+        budget = int(whole_pages(self.row_budget(n), n, page_size))  # the layer's row budget (layer_budget)
+        if self.decode_budget is not None:  # the prompt keeps what its cut kept; generated tokens are held apart
+            return cut, min(budget, prompt_length) + self.decode_budget
+        return cut, budget
 
     @property
     def capture_refusal(self) -> str | None:

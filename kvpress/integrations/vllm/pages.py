@@ -4,7 +4,8 @@ Layers that kvpress compresses declare a `KVPressSpec` (the backend's customize_
 into one); vLLM picks the manager of a spec through its spec registry, and a `KVPressManager` is vLLM's full-attention
 manager, plus, per request (its plan: plans.py, a function of the request, computed here as in the workers):
 - once the prompt is computed up to the plan's `end`, the request's leading `evicted / P` pages are freed: the
-  workers moved each layer's kept tokens to the logical slots [evicted, end). The freed entries of its block list
+  workers moved each layer's kept tokens to the logical slots [evicted, end); and at each decode-time cut, the next
+  `cut / P` (the workers moved the kept tokens behind them: Plan.evicted_at). The freed entries of its block list
   become vLLM's null block, as a sliding window's do, so the pool's accounting, preemption and the request's end
   stay vLLM's own.
 - prefix caching names pages only when they hold what their name says. A request that compresses its prompt at its
@@ -76,10 +77,10 @@ class KVPressManager(FullAttentionManager):
                               num_prompt_tokens: int | None = None) -> None:
         super().remove_skipped_blocks(request_id, processed_computed_tokens, num_prompt_tokens)
         plan = self._plans.get(request_id)
-        if plan is None or processed_computed_tokens < plan.end:
-            return  # nothing to free, or the context is not computed (and compacted) yet
-        # iterates from the last evicted page down and stops at a freed one: a no-op after the first call
-        self._remove_blocks_in_range(request_id, 0, plan.evicted // self.block_size)
+        evicted = 0 if plan is None else plan.evicted_at(processed_computed_tokens)
+        if evicted:  # (0: nothing to free, or the prompt is not computed and compacted yet)
+            # iterates from the last evicted page down and stops at a freed one: a no-op until the next cut
+            self._remove_blocks_in_range(request_id, 0, evicted // self.block_size)
 
     def shared_context_hit(self, request, plan: Plan, max_length: int) -> tuple[list, int]:
         """A later request's share of a compacted context: null blocks for its evicted pages, then the context's

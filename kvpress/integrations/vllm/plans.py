@@ -12,6 +12,10 @@ size, so the processes never exchange a message about it:
   chained hashes salted with the kvpress settings and every context token (`salt`): a later request with the same
   context and settings is handed those pages instead of computing the context; a stock request, or one with
   other settings or another context, can never match them. A prompt compressed at its own end is never shared.
+- `cut`, `held`: decode-time eviction (Policy.paged_decode_cuts; 0: decoding keeps every token). Once a layer would
+  hold `held + cut` tokens, the step that computes that token cuts every layer back to `held`, and the request's
+  oldest `cut / P` pages go back to the pool: its leading evicted tokens grow by `cut` (`evicted_at`). Steps end
+  at each such point (`next_stop`), so a recomputed request (after preemption) cuts where it cut the first time.
 """
 
 from __future__ import annotations
@@ -32,10 +36,29 @@ class Plan:
     end: int
     evicted: int
     shared: bool
+    cut: int = 0
+    held: int = 0
 
     @property
     def compresses(self) -> bool:
-        return self.evicted > 0
+        return self.evicted > 0 or self.cut > 0
+
+    def evicted_at(self, computed: int) -> int:
+        """Leading logical tokens whose pages hold nothing needed once `computed` tokens are computed."""
+        if computed < self.end:
+            return 0
+        if not self.cut:
+            return self.evicted
+        return self.evicted + self.cut * max(0, (computed - self.evicted - self.held) // self.cut)
+
+    def next_stop(self, computed: int) -> int | None:
+        """Where a step from `computed` tokens must end (the context's end, or the next decode-time cut); None:
+        anywhere."""
+        if computed < self.end:
+            return self.end
+        if not self.cut:
+            return None
+        return self.evicted_at(computed) + self.held + self.cut
 
     def salt(self, prompt_token_ids, user_salt: str | None) -> str:
         """The name that sets this request's pages apart from stock pages and from other contexts' (a request's
@@ -61,7 +84,9 @@ def _plan(engine_text: str, request: RequestSettings | None, prompt_length: int,
     context = None if request is None else request.context_tokens
     end = context_end(context, prompt_length, page_size)
     evicted = evicted_tokens(policy, end, page_size) if end > 0 else 0
-    return Plan(policy, text, end, evicted, shared=context is not None and evicted > 0)
+    # (a request's settings were checked when it came: settings.check_decode_cuts raised there, not here)
+    cut, held = policy.paged_decode_cuts(end, page_size) if end > 0 and context is None else (0, 0)
+    return Plan(policy, text, end, evicted, shared=context is not None and evicted > 0, cut=cut, held=held)
 
 
 def context_end(context_tokens: int | None, prompt_length: int, page_size: int) -> int:

@@ -6,8 +6,11 @@ scheduled in it). Per request the table keeps the prompt's PromptCompression whi
 plan's `end` (one or several chunks). Once a request's computed tokens reach `end`, every step of it reads its pages
 from the evicted count on (backend.py shifts its block-table row and sequence length): whether it compacted them
 itself or was handed a context that an earlier request compacted (the scheduler's shared-context hit), which is
-why the offset is a function of the row alone. A request that starts over (recomputed after preemption) starts
-here over too; a finished or aborted one is forgotten.
+why the offset is a function of the row alone (Plan.evicted_at). A request that evicts while decoding keeps its
+DecodeCuts (integrations/decoding.py) from its prompt's end: at each step that ends at one of its cuts, every layer
+reads its held tokens back from its pages, cuts them and writes what stays behind the pages the scheduler frees. A
+request that starts over (recomputed after preemption) starts here over too; a finished or aborted one is
+forgotten.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..decoding import DecodeCuts
 from ..prompts import PromptCompression
 from .plans import Plan
 
@@ -39,12 +43,28 @@ class PromptWork:
     compression: PromptCompression
     tokens: slice  # this request's prompt tokens on the step's token axis
     slots: torch.Tensor | None  # None: more prompt chunks follow
+    decoding: DecodeCuts | None = None  # where the prompt ends, for a request that also evicts while decoding
+
+
+@dataclass(frozen=True)
+class CutWork:
+    """A decode-time cut of one request in this step: every layer reads the tokens at the physical `held` slots
+    (logical [evicted before, seen)), cuts them to the policy's choice, and writes what stays to the `kept` slots
+    (logical [evicted after, seen)); the scheduler frees the pages in between."""
+
+    request_id: str
+    decoding: DecodeCuts
+    tokens: slice  # this step's tokens of the request on the step's token axis
+    held: torch.Tensor
+    kept: torch.Tensor
+    seen: int
 
 
 @dataclass(frozen=True)
 class StepPlan:
     offsets: list  # per row, the leading tokens its request evicted (0: read from the start)
     prompts: list  # PromptWork of the rows whose prompt is (partly) computed in this step
+    cuts: list = ()  # CutWork of the rows whose step ends at a decode-time cut
 
 
 class Requests:
@@ -52,6 +72,7 @@ class Requests:
         self.fitted = fitted  # Plan -> its policy fitted to the model (worker.py)
         self.page_size = page_size
         self._compressing: dict[str, PromptCompression] = {}
+        self._decoding: dict[str, DecodeCuts] = {}  # requests that evict while decoding, from their prompt's end
         self._rows: list[Row] | None = None  # the step in flight's rows (None between steps)
         self._plan: StepPlan | None = None  # this step's, once made
         # {request id: {layer: [Hkv, n] kept positions}} while recording (tests and debugging: Worker.kvpress_record)
@@ -90,12 +111,17 @@ class Requests:
         if len(self._rows) != block_table.shape[0]:
             raise RuntimeError(f"kvpress: the step has {block_table.shape[0]} rows, the model runner announced "
                                f"{len(self._rows)}: the worker hook and the attention metadata disagree")
-        offsets, prompts = [], []
+        offsets, prompts, cuts = [], [], []
         for r, row in enumerate(self._rows):
             plan = row.plan
-            offsets.append(plan.evicted if row.computed >= plan.end else 0)
-            if row.computed >= plan.end or not plan.compresses:
-                continue  # compacted already, or the whole prompt stays: nothing to score or move
+            offsets.append(plan.evicted_at(row.computed))
+            if row.computed >= plan.end:
+                seen = row.computed + row.scheduled
+                if plan.evicted_at(seen) > offsets[-1]:
+                    cuts.append(self._cut(row, block_table[r], query_start[r], offsets[-1]))
+                continue  # otherwise compacted already, or nothing to move
+            if not plan.evicted:
+                continue  # the whole prompt stays: nothing to score or move (it may be cut while decoding)
             if plan.shared and row.computed + row.scheduled > plan.end:
                 raise RuntimeError(f"kvpress: request {row.request_id}'s step runs past its context's end ({plan.end}): "
                                    f"the scheduler cuts steps there (kvpress's scheduler class is not running?)")
@@ -105,12 +131,29 @@ class Requests:
             compression = self._compressing.get(row.request_id)
             if compression is None:
                 compression = self._compressing[row.request_id] = PromptCompression(self.fitted(plan), self.page_size)
-            slots = None
+            slots, decoding = None, None
             if row.computed + row.scheduled >= plan.end:
                 slots = self._slots(block_table[r], plan.evicted, plan.end)
                 del self._compressing[row.request_id]  # every layer finishes it in this step
-            prompts.append(PromptWork(row.request_id, compression, slice(start, start + n), slots))
-        return StepPlan(offsets, prompts)
+                decoding = self._decoding_of(row) if plan.cut else None
+            prompts.append(PromptWork(row.request_id, compression, slice(start, start + n), slots, decoding))
+        return StepPlan(offsets, prompts, cuts)
+
+    def _decoding_of(self, row: Row) -> DecodeCuts:
+        decoding = self._decoding.get(row.request_id)
+        if decoding is None:
+            decoding = self._decoding[row.request_id] = DecodeCuts(self.fitted(row.plan), row.plan.end,
+                                                                   self.page_size)
+        return decoding
+
+    def _cut(self, row: Row, blocks: torch.Tensor, start: int, evicted: int) -> CutWork:
+        seen = row.computed + row.scheduled
+        if row.plan.next_stop(row.computed) != seen:
+            raise RuntimeError(f"kvpress: request {row.request_id}'s step runs from {row.computed} to {seen} tokens, "
+                               f"past its decode-time cut at {row.plan.next_stop(row.computed)} (the scheduler ends "
+                               f"steps there: kvpress's scheduler class is not running?)")
+        return CutWork(row.request_id, self._decoding_of(row), slice(start, start + row.scheduled),
+                       self._slots(blocks, evicted, seen), self._slots(blocks, row.plan.evicted_at(seen), seen), seen)
 
     def record(self, request_id: str, layer_idx: int, positions: torch.Tensor) -> None:
         if self.recorded is not None:
@@ -130,6 +173,7 @@ class Requests:
 
     def _forget(self, request_id: str) -> None:
         self._compressing.pop(request_id, None)
+        self._decoding.pop(request_id, None)
 
 
 _TABLES: dict[int, Requests] = {}  # id(vllm_config) -> that worker's requests (one worker per process here)

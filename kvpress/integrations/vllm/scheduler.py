@@ -5,8 +5,9 @@ nothing are left to vLLM):
 - its pages' names: a compressing request's prefix-cache hash chain is salted with the kvpress settings and its
   context's tokens (`Plan.salt`, vLLM's own `cache_salt` mechanism), so its pages are never handed to a stock
   request, nor stock pages to it, nor one context's compacted pages to another context;
-- a step never runs past the plan's `end` before it is computed: the tokens after a context are computed over the
-  compacted context;
+- a step never runs past the plan's `end` before it is computed (the tokens after a context are computed over the
+  compacted context), nor past a decode-time cut (Plan.next_stop: a request recomputed after preemption computes
+  its generated tokens in steps that end where its decode steps cut);
 - its prefix-cache lookup: a declared context already compacted by an earlier request is handed over whole
   (KVPressManager.shared_context_hit: null blocks for its evicted pages, then the compacted pages), and the
   request starts at the context's end; anything less than the whole compacted context is no hit at all (a
@@ -49,8 +50,9 @@ class Scheduler(VLLMScheduler):
     def _reserve_prefill_lookahead(self, request, num_computed_tokens: int, num_new_tokens: int) -> int:
         num_new_tokens = super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)
         plan = None if self._compressed is None else self._compressed.planned(request.request_id)
-        if plan is not None and num_computed_tokens < plan.end < num_computed_tokens + num_new_tokens:
-            num_new_tokens = plan.end - num_computed_tokens  # the step ends where the context does
+        stop = None if plan is None else plan.next_stop(num_computed_tokens)
+        if stop is not None and stop < num_computed_tokens + num_new_tokens:
+            num_new_tokens = stop - num_computed_tokens  # the step ends where the context does, or at a decode cut
         return num_new_tokens
 
     def _get_local_prefix_cache_hit(self, request):

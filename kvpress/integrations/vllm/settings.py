@@ -135,3 +135,16 @@ class RequestSettings:
             raise ValueError(f"extra_args['{KEY}']: {CONTEXT}={self.context_tokens} for a prompt of {prompt_length} "
                              f"tokens; allowed: 1 to {prompt_length - 1} (the context, then at least one token of "
                              f"question)")
+
+
+def check_decode_cuts(policy: Policy, page_size: int, context_tokens: int | None, where: str) -> None:
+    """Raise ValueError unless an engine of `page_size`-token pages serves `policy`'s decode-time eviction (whole
+    pages per cut: Policy.paged_decode_cuts), which it does not yet after a declared context."""
+    try:
+        cut, _ = policy.paged_decode_cuts(2 * page_size, page_size)  # (what is checked does not depend on length)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    if cut and context_tokens is not None:
+        raise ValueError(f"{where}: {CONTEXT} with decode-time eviction ({policy.describe()}) is not served yet (the "
+                         f"question's tokens would be cut as generated ones); allowed: {CONTEXT} with a policy that "
+                         f"cuts the prompt only, or no {CONTEXT}")
