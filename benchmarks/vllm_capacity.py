@@ -6,15 +6,23 @@ generating `--new-tokens` greedy tokens (end of sequence ignored). The KV memory
 requests' pages (prompt + new tokens), so that one uncompressed prompt's prefill (its whole prompt's pages, which
 vLLM holds before kvpress frees any) is a small part of it. Measured per config, in one run:
 
-  running      the most requests running at once (vLLM's running queue, after each engine step)
+  running      the most requests running at once (vLLM's running queue, after each engine step); mean: over the
+               steps; preempted: requests preempted at least once (their pages taken back, recomputed later)
   tok/s        generated tokens / wall time from the first request's arrival to the last one's end (prompts
                included: they are most of the work)
   prompt / decode steps s   the wall time of steps that computed prompt tokens (decodes ride along) and of
                steps that only decoded: kvpress leaves the first alone (the same prompts to compute)
-  pages        pages a request holds once its prompt is computed and compacted
+  pages        pages a request holds once its prompt is computed and compacted (peak: the most any request holds
+               while decoding)
   vs stock     each figure over stock vLLM's (no kvpress settings) in the same run
 
     .venv-vllm/bin/python benchmarks/vllm_capacity.py --out docs/results/vllm_capacity
+
+Long generations (decode-time eviction: a page back every 128 generated tokens, at a fixed memory per request):
+
+    .venv-vllm/bin/python benchmarks/vllm_capacity.py --requests 48 --prompt-tokens 512 --new-tokens 1024 --kv-requests 8 \
+        --configs stock,streaming_llm:budget=256/slack=127,stock,tova:budget=256/slack=127 \
+        --out docs/results/vllm_long_generations
 """
 
 from __future__ import annotations
@@ -69,7 +77,7 @@ def run_config(args, settings: dict | None) -> dict:
     begin = time.perf_counter()
     for i, ids in enumerate(queue):
         engine.add_request(f"q{i}", TokensPrompt(prompt_token_ids=ids), params)
-    running, steps, generated, pages = 0, 0, 0, []
+    running, steps, generated, pages, peak, running_sum, preempted = 0, 0, 0, [], 0, 0, set()
     prompt_steps_s = decode_steps_s = 0.0
     with task(f"vllm {label(settings)}", total=len(queue), unit="request") as finished:
         while engine.has_unfinished_requests():
@@ -86,14 +94,20 @@ def run_config(args, settings: dict | None) -> dict:
                 decode_steps_s += took
             steps += 1
             running = max(running, len(scheduler.running))
+            running_sum += len(scheduler.running)
+            preempted |= {r.request_id for r in scheduler.requests.values() if r.num_preemptions}
             manager = scheduler.kv_cache_manager.coordinator.single_type_managers[0]
             for request in scheduler.running:  # pages held right after the prompt was computed and compacted
+                held = sum(not b.is_null for b in manager.req_to_blocks[request.request_id])
                 if request.num_output_tokens == 2 and len(pages) < args.requests:
-                    pages.append(sum(not b.is_null for b in manager.req_to_blocks[request.request_id]))
+                    pages.append(held)
+                if request.num_output_tokens > 1:  # the most a request holds while decoding
+                    peak = max(peak, held)
     wall = time.perf_counter() - begin
-    return dict(config=label(settings), running=running, tok_s=round(generated / wall, 2), wall_s=round(wall, 1),
+    return dict(config=label(settings), running=running, mean_running=round(running_sum / max(steps, 1), 1),
+                preempted=len(preempted), tok_s=round(generated / wall, 2), wall_s=round(wall, 1),
                 prompt_steps_s=round(prompt_steps_s, 1), decode_steps_s=round(decode_steps_s, 1),
-                steps=steps, generated=generated, pages=round(sum(pages) / max(len(pages), 1), 2),
+                steps=steps, generated=generated, pages=round(sum(pages) / max(len(pages), 1), 2), peak_pages=peak,
                 kv_pages=scheduler.kv_cache_manager.block_pool.num_gpu_blocks - 1, engine_start_s=round(started, 1),
                 eager=args.eager, multiprocessing=os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING"))
 
@@ -111,25 +125,33 @@ def label(settings: dict | None) -> str:
 
 
 def parse_configs(text: str) -> list[dict | None]:
-    """'stock,none,snapkv:0.75,kvzap:0.75' -> engine settings (None: no kvpress)."""
+    """'stock,none,snapkv:0.75,streaming_llm:budget=256/slack=127' -> engine settings (None: no kvpress): a
+    policy, then its compression ratio, or its parameters as key=value pairs separated by '/'."""
     out = []
     for item in text.split(","):
-        name, _, ratio = item.strip().partition(":")
+        name, _, rest = item.strip().partition(":")
         if name == "stock":
             out.append(None)
+        elif "=" in rest:
+            params = dict(pair.split("=", 1) for pair in rest.split("/"))
+            out.append({"policy": name, **{k: json.loads(v) for k, v in params.items()}})
         else:
-            out.append({"policy": name, **({"compression_ratio": float(ratio)} if ratio else {})})
+            out.append({"policy": name, **({"compression_ratio": float(rest)} if rest else {})})
     return out
 
 
 def table(rows: list[dict]) -> str:
-    stock = next((r for r in rows if r["config"] == "stock"), None)
-    lines = ["| config | running at once | vs stock | generated tok/s | vs stock | pages per request | wall s | "
-             "prompt steps s | decode-only steps s |", "|---|---|---|---|---|---|---|---|---|"]
+    stock = next((r for r in rows if r["config"] == "stock"), None)  # then each against the stock run before it
+    lines = ["| config | running at once (mean) | vs stock | preempted | generated tok/s | vs stock | pages per request "
+             "(peak) | wall s | prompt steps s | decode-only steps s |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        vs_running = f"{r['running'] / stock['running']:.2f}x" if stock and stock["running"] else ""
+        if r["config"] == "stock":
+            stock = r
+        at_once = "mean_running" if "mean_running" in r and stock and "mean_running" in stock else "running"
+        vs_running = f"{r[at_once] / stock[at_once]:.2f}x" if stock and stock[at_once] else ""
         vs_speed = f"{r['tok_s'] / stock['tok_s']:.2f}x" if stock and stock["tok_s"] else ""
-        lines.append(f"| {r['config']} | {r['running']} | {vs_running} | {r['tok_s']} | {vs_speed} | {r['pages']} | "
+        lines.append(f"| {r['config']} | {r['running']} ({r.get('mean_running', '')}) | {vs_running} | "
+                     f"{r.get('preempted', '')} | {r['tok_s']} | {vs_speed} | {r['pages']} ({r.get('peak_pages', '')}) | "
                      f"{r['wall_s']} | {r['prompt_steps_s']} | {r['decode_steps_s']} |")
     return "\n".join(lines)
 

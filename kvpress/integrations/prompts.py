@@ -15,6 +15,7 @@ engine's scheduler (which frees the pages) and in its workers (which move the ke
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -70,11 +71,22 @@ class LayerFacts:
 
 @dataclass(frozen=True)
 class Kept:
-    """The tokens one layer keeps of a prompt, in position order: keys and values [n, Hkv, D], positions [Hkv, n]."""
+    """The tokens one layer keeps of a prompt, in position order: keys and values [n, Hkv, D], positions [Hkv, n];
+    and what the policy carries on into decoding: its per-slot state {name: [Hkv, n]} (H2O's accumulated attention)
+    and its per-layer statistics {name: [1, ...]} (KVPressLayer.policy_stats)."""
 
     keys: torch.Tensor
     values: torch.Tensor
     positions: torch.Tensor
+    state: dict = dataclasses.field(default_factory=dict)
+    stats: dict = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def of(cls, layer: KVPressLayer) -> "Kept":
+        """What a one-row layer of one rectangle (one budget for every head) holds."""
+        return cls(layer.keys_view()[0].transpose(0, 1), layer.values_view()[0].transpose(0, 1),
+                   layer.key_positions()[0], {name: layer.get_state(name)[0] for name in layer.tail.state},
+                   dict(layer.policy_stats))
 
 
 class PromptCompression:
@@ -104,8 +116,7 @@ class PromptCompression:
         """The prompt is complete in this layer: evict, and return what stays (the layer is dropped here)."""
         layer = self._layers.pop(facts.layer_idx)
         self.policy.on_prefill(self._context(facts, layer, self._queries.pop(facts.layer_idx), None))
-        keys, values = layer.keys_view()[0], layer.values_view()[0]  # [Hkv, n, D], one rectangle (one budget)
-        return Kept(keys.transpose(0, 1), values.transpose(0, 1), layer.key_positions()[0])
+        return Kept.of(layer)  # one rectangle: one budget
 
     def _context(self, facts: LayerFacts, layer: KVPressLayer, query: torch.Tensor, hidden) -> Context:
         return Context(layer=layer, phase="prefill", query=query, scaling=facts.scaling, layer_idx=facts.layer_idx,

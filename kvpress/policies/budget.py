@@ -113,11 +113,6 @@ class AllocatedBudgetPolicy(BudgetPolicy):
             return (f"budget_allocation={self.budget_allocation!r} is not served by an engine yet (it keeps one "
                     f"page-aligned budget per request for every layer and head); allowed values: "
                     f"budget_allocation='uniform'")
-        if self._cuts_while_decoding() and self.observes_decode:
-            allowed = "decode_budget=None" if self.decode_budget is not None else "slack=0 (the prompt's cut only)"
-            return (f"{self.decode_change}, by what it observes at every decode step; an engine cuts every slack + 1 "
-                    f"steps from its pages and does not run the steps between through the policy; allowed values: "
-                    f"{allowed}")
         return None
 
     def _cuts_while_decoding(self) -> bool:

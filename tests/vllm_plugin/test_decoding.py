@@ -19,6 +19,7 @@ ENGINE = {"policy": "snapkv", "compression_ratio": 0.75}  # requests bring the p
 CUTTING = [
     ("streaming_llm", {"budget": 200, "slack": PAGE - 1}),
     ("tova", {"budget": 200, "slack": PAGE - 1}),
+    ("h2o", {"budget": 200, "slack": PAGE - 1}),  # observes every step: its attention sums carried between steps
     ("keydiff", {"compression_ratio": 0.5, "decode_budget": 64, "slack": PAGE - 1}),
 ]
 
@@ -77,7 +78,7 @@ def test_each_cut_gives_a_page_back_and_memory_stays_fixed(llm, prompt):
     name, params = CUTTING[0]
     plan = plan_of(_engine_text(llm), {"kvpress": settings(name, params)}, len(prompt), PAGE)
     pool = scheduler(llm).kv_cache_manager.block_pool
-    free_at_start = pool.get_num_free_blocks()
+    free_at_start, counted = pool.get_num_free_blocks(), scheduler(llm).kvpress_stats()
     llm.llm_engine.add_request("d", TokensPrompt(prompt_token_ids=prompt), sampling(name, params, 2 * NEW))
     held, before = [], 0  # the request's pages after each step, and the plan's prediction
     while llm.llm_engine.has_unfinished_requests():
@@ -97,6 +98,11 @@ def test_each_cut_gives_a_page_back_and_memory_stays_fixed(llm, prompt):
     # while decoding, the kept KV never grows past held + cut tokens, whatever the length generated
     assert max(live for c, live, _ in held if c > plan.end) <= -(-(plan.held + plan.cut) // PAGE) + 1
     assert pool.get_num_free_blocks() == free_at_start
+    # and the engine's figures say so (metrics.py: what /metrics and its log line report)
+    now = scheduler(llm).kvpress_stats()
+    assert now["pages_freed_decoding"] - counted["pages_freed_decoding"] == len(cuts)
+    assert now["pages_freed_prompt"] - counted["pages_freed_prompt"] == plan.evicted // PAGE
+    assert now["kept_tokens"] - counted["kept_tokens"] == plan.end - plan.evicted
 
 
 def _engine_text(llm) -> str:

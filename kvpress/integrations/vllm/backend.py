@@ -84,7 +84,7 @@ class Backend(CPUAttentionBackend):
 @dataclass
 class Metadata(CPUAttentionMetadata):
     prompts: list = dataclasses.field(default_factory=list)  # requests.PromptWork of this step
-    cuts: list = dataclasses.field(default_factory=list)  # requests.CutWork of this step
+    decodes: list = dataclasses.field(default_factory=list)  # requests.DecodeWork of this step
     requests: object = None  # the worker's requests.Requests (attention inputs; kept positions, when recording)
 
 
@@ -99,7 +99,7 @@ class Builder(CPUAttentionMetadataBuilder):
         if any(plan.offsets):
             cm = _read_from(cm, torch.tensor(plan.offsets, dtype=cm.seq_lens.dtype), self.block_size)
         return Metadata(**vars(super().build(common_prefix_len, cm, fast_build)), prompts=plan.prompts,
-                        cuts=list(plan.cuts), requests=requests)
+                        decodes=list(plan.decodes), requests=requests)
 
 
 def _read_from(cm, offsets: torch.Tensor, page_size: int):
@@ -136,14 +136,18 @@ class Impl(CPUAttentionBackendImpl):
                                         work.slots)
                 attn_metadata.requests.record(work.request_id, facts.layer_idx, kept.positions)
                 if work.decoding is not None:
-                    work.decoding.started(facts.layer_idx, kept.positions)
-        for work in attn_metadata.cuts if attn_metadata is not None else ():
+                    work.decoding.started(facts.layer_idx, kept)
+        for work in attn_metadata.decodes if attn_metadata is not None else ():
             facts = self._layer_facts(layer, work.decoding.policy.needs().rotary)
             keys, values = read_pages(layer, kv_cache, work.held, attn_metadata.requests.page_size, key[work.tokens],
                                       value[work.tokens])
-            kept = work.decoding.cut(facts, query[work.tokens], keys, values, work.seen, work.kept.shape[0])
-            self.do_kv_cache_update(layer, kept.keys.contiguous(), kept.values.contiguous(), kv_cache, work.kept)
-            attn_metadata.requests.record(work.request_id, facts.layer_idx, kept.positions)
+            hidden = attn_metadata.requests.attention_inputs.get(facts.layer_idx)
+            kept = work.decoding.step(facts, query[work.tokens], keys, values,
+                                      None if hidden is None else hidden[work.tokens], work.seen,
+                                      None if work.kept is None else work.kept.shape[0])
+            if kept is not None:
+                self.do_kv_cache_update(layer, kept.keys.contiguous(), kept.values.contiguous(), kv_cache, work.kept)
+                attn_metadata.requests.record(work.request_id, facts.layer_idx, kept.positions)
         return output
 
     def _layer_facts(self, layer, rotary: bool) -> LayerFacts:

@@ -23,6 +23,7 @@ from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
+from .metrics import Stats
 from .plans import Plan, plan_of_request
 
 
@@ -49,6 +50,9 @@ class KVPressManager(FullAttentionManager):
         # the requests that compress, from their arrival to their end (kvpress's scheduler tells: a request keeps
         # its plan through preemption, when its blocks are freed and allocated again)
         self._plans: dict[str, Plan] = {}
+        self.stats = Stats()
+        self._past_end: dict[str, bool] = {}  # requests past their plan's end in this allocation -> handed a context
+        self._contexts: dict[int, tuple] = {}  # block id -> (block, its hash): each named context's first page
 
     def arrived(self, request) -> Plan:
         plan = plan_of_request(self.kv_cache_spec.settings, request, self.block_size)
@@ -70,17 +74,48 @@ class KVPressManager(FullAttentionManager):
         if not plan.shared or num_tokens < plan.end:
             return  # never named, or not yet: before the step that compacts them, they hold the whole context
         first = plan.evicted // self.block_size  # the evicted pages are freed unnamed
-        self.num_cached_block[request.request_id] = max(self.num_cached_block.get(request.request_id, 0), first)
+        before = self.num_cached_block[request.request_id] = max(self.num_cached_block.get(request.request_id, 0),
+                                                                 first)
         super().cache_blocks(request, num_tokens, *args, **kwargs)
+        if before == first < self.num_cached_block[request.request_id] and \
+                not self._past_end.get(request.request_id, False):  # this request's own compacted context, named
+            block = self.req_to_blocks[request.request_id][first]
+            self.count_held()  # (the page may have held another context's, evicted since)
+            self._contexts[block.block_id] = (block, block.block_hash)
+            self.stats.add(contexts_compacted=1)
 
     def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
                               num_prompt_tokens: int | None = None) -> None:
         super().remove_skipped_blocks(request_id, processed_computed_tokens, num_prompt_tokens)
         plan = self._plans.get(request_id)
         evicted = 0 if plan is None else plan.evicted_at(processed_computed_tokens)
-        if evicted:  # (0: nothing to free, or the prompt is not computed and compacted yet)
-            # iterates from the last evicted page down and stops at a freed one: a no-op until the next cut
-            self._remove_blocks_in_range(request_id, 0, evicted // self.block_size)
+        if not evicted:
+            return  # nothing to free, or the prompt is not computed and compacted yet
+        page, blocks = self.block_size, self.req_to_blocks[request_id]
+        first = plan.evicted // page
+        live = [i for i in range(min(evicted // page, len(blocks))) if not blocks[i].is_null]
+        prompt_pages = sum(i < first for i in live)
+        if request_id not in self._past_end:  # the first step past the prompt's end (in this allocation)
+            handed = plan.evicted > 0 and not prompt_pages  # its evicted pages were never its own
+            self._past_end[request_id] = handed
+            self.stats.add(context_hits=int(handed), prompts_compressed=int(prompt_pages > 0),
+                           prompt_tokens=plan.end if prompt_pages else 0,
+                           kept_tokens=plan.end - plan.evicted if prompt_pages else 0)
+        self.stats.add(pages_freed_prompt=prompt_pages, pages_freed_decoding=len(live) - prompt_pages)
+        # iterates from the last evicted page down and stops at a freed one: a no-op until the next cut
+        self._remove_blocks_in_range(request_id, 0, evicted // page)
+
+    def free(self, request_id: str) -> None:
+        self._past_end.pop(request_id, None)  # (preempted: it computes its prompt again, and cuts it again)
+        super().free(request_id)
+
+    def count_held(self) -> None:
+        """Which named contexts are still cached: the block pool evicts a cached page by dropping its name."""
+        for block_id, (block, name) in list(self._contexts.items()):
+            if block.block_hash != name:
+                del self._contexts[block_id]
+                self.stats.add(contexts_evicted=1)
+        self.stats.held(len(self._contexts))
 
     def shared_context_hit(self, request, plan: Plan, max_length: int) -> tuple[list, int]:
         """A later request's share of a compacted context: null blocks for its evicted pages, then the context's

@@ -47,16 +47,17 @@ class PromptWork:
 
 
 @dataclass(frozen=True)
-class CutWork:
-    """A decode-time cut of one request in this step: every layer reads the tokens at the physical `held` slots
-    (logical [evicted before, seen)), cuts them to the policy's choice, and writes what stays to the `kept` slots
-    (logical [evicted after, seen)); the scheduler frees the pages in between."""
+class DecodeWork:
+    """A decode step of a request that evicts while decoding, handed to its DecodeCuts: at a cut, or at every step
+    for a policy that observes every one. Every layer reads the tokens at the physical `held` slots (logical
+    [evicted before, seen)); at a cut it writes what stays to the `kept` slots (logical [evicted after, seen)), and
+    the scheduler frees the pages in between."""
 
     request_id: str
     decoding: DecodeCuts
     tokens: slice  # this step's tokens of the request on the step's token axis
     held: torch.Tensor
-    kept: torch.Tensor
+    kept: torch.Tensor | None  # None: no cut in this step
     seen: int
 
 
@@ -64,7 +65,7 @@ class CutWork:
 class StepPlan:
     offsets: list  # per row, the leading tokens its request evicted (0: read from the start)
     prompts: list  # PromptWork of the rows whose prompt is (partly) computed in this step
-    cuts: list = ()  # CutWork of the rows whose step ends at a decode-time cut
+    decodes: list = ()  # DecodeWork of the rows whose step ends at a decode-time cut, or is observed
 
 
 class Requests:
@@ -111,17 +112,17 @@ class Requests:
         if len(self._rows) != block_table.shape[0]:
             raise RuntimeError(f"kvpress: the step has {block_table.shape[0]} rows, the model runner announced "
                                f"{len(self._rows)}: the worker hook and the attention metadata disagree")
-        offsets, prompts, cuts = [], [], []
+        offsets, prompts, decodes = [], [], []
         for r, row in enumerate(self._rows):
             plan = row.plan
             offsets.append(plan.evicted_at(row.computed))
             if row.computed >= plan.end:
-                seen = row.computed + row.scheduled
-                if plan.evicted_at(seen) > offsets[-1]:
-                    cuts.append(self._cut(row, block_table[r], query_start[r], offsets[-1]))
+                if plan.cut:
+                    work = self._decode(row, block_table[r], query_start[r], offsets[-1])
+                    decodes += [work] if work is not None else []
                 continue  # otherwise compacted already, or nothing to move
-            if not plan.evicted:
-                continue  # the whole prompt stays: nothing to score or move (it may be cut while decoding)
+            if not plan.evicted and not (plan.cut and self.fitted(plan).observes_decode):
+                continue  # the whole prompt stays: nothing to score or move (nor to observe)
             if plan.shared and row.computed + row.scheduled > plan.end:
                 raise RuntimeError(f"kvpress: request {row.request_id}'s step runs past its context's end ({plan.end}): "
                                    f"the scheduler cuts steps there (kvpress's scheduler class is not running?)")
@@ -137,7 +138,7 @@ class Requests:
                 del self._compressing[row.request_id]  # every layer finishes it in this step
                 decoding = self._decoding_of(row) if plan.cut else None
             prompts.append(PromptWork(row.request_id, compression, slice(start, start + n), slots, decoding))
-        return StepPlan(offsets, prompts, cuts)
+        return StepPlan(offsets, prompts, decodes)
 
     def _decoding_of(self, row: Row) -> DecodeCuts:
         decoding = self._decoding.get(row.request_id)
@@ -146,14 +147,21 @@ class Requests:
                                                                    self.page_size)
         return decoding
 
-    def _cut(self, row: Row, blocks: torch.Tensor, start: int, evicted: int) -> CutWork:
-        seen = row.computed + row.scheduled
-        if row.plan.next_stop(row.computed) != seen:
+    def _decode(self, row: Row, blocks: torch.Tensor, start: int, evicted: int) -> DecodeWork | None:
+        """This step's work for a request that evicts while decoding: at its cut, or at every step if its policy
+        observes every one; None: nothing to do in this step."""
+        plan, seen = row.plan, row.computed + row.scheduled
+        cuts = plan.evicted_at(seen) > evicted
+        decoding = self._decoding_of(row)
+        if not cuts and not decoding.every_step:
+            return None
+        if cuts and plan.next_stop(row.computed) != seen:
             raise RuntimeError(f"kvpress: request {row.request_id}'s step runs from {row.computed} to {seen} tokens, "
-                               f"past its decode-time cut at {row.plan.next_stop(row.computed)} (the scheduler ends "
+                               f"past its decode-time cut at {plan.next_stop(row.computed)} (the scheduler ends "
                                f"steps there: kvpress's scheduler class is not running?)")
-        return CutWork(row.request_id, self._decoding_of(row), slice(start, start + row.scheduled),
-                       self._slots(blocks, evicted, seen), self._slots(blocks, row.plan.evicted_at(seen), seen), seen)
+        kept = self._slots(blocks, plan.evicted_at(seen), seen) if cuts else None
+        return DecodeWork(row.request_id, decoding, slice(start, start + row.scheduled),
+                          self._slots(blocks, evicted, seen), kept, seen)
 
     def record(self, request_id: str, layer_idx: int, positions: torch.Tensor) -> None:
         if self.recorded is not None:

@@ -8,6 +8,7 @@ nothing are left to vLLM):
 - a step never runs past the plan's `end` before it is computed (the tokens after a context are computed over the
   compacted context), nor past a decode-time cut (Plan.next_stop: a request recomputed after preemption computes
   its generated tokens in steps that end where its decode steps cut);
+- its figures (metrics.py): counted by its page manager, logged and exported with vLLM's statistics;
 - its prefix-cache lookup: a declared context already compacted by an earlier request is handed over whole
   (KVPressManager.shared_context_hit: null blocks for its evicted pages, then the compacted pages), and the
   request starts at the context's end; anything less than the whole compacted context is no hit at all (a
@@ -40,6 +41,20 @@ class Scheduler(VLLMScheduler):
                 request.block_hashes.clear()
                 request.update_block_hashes()
         super().add_request(request)
+
+    def make_stats(self, *args, **kwargs):
+        stats = super().make_stats(*args, **kwargs)
+        if stats is not None and self._compressed is not None:  # (None: vLLM logs no statistics)
+            self._compressed.count_held()
+            self._compressed.stats.maybe_log()
+        return stats
+
+    def kvpress_stats(self) -> dict:
+        """What kvpress did in this engine so far (metrics.Counts), e.g. through the engine core's utility calls."""
+        if self._compressed is None:
+            return {}
+        self._compressed.count_held()
+        return self._compressed.stats.snapshot()
 
     def _free_request(self, request, *args, **kwargs):
         out = super()._free_request(request, *args, **kwargs)
