@@ -20,8 +20,8 @@ vLLM holds before kvpress frees any) is a small part of it. Measured per config,
 
 Long generations (decode-time eviction: a page back every 128 generated tokens, at a fixed memory per request):
 
-    .venv-vllm/bin/python benchmarks/vllm_capacity.py --requests 48 --prompt-tokens 512 --new-tokens 1024 --kv-requests 8 \
-        --configs stock,streaming_llm:budget=256/slack=127,stock,tova:budget=256/slack=127 \
+    .venv-vllm/bin/python benchmarks/vllm_capacity.py --requests 48 --prompt-tokens 512 --new-tokens 1024 \
+        --kv-requests 8 --configs stock,streaming_llm:budget=256/slack=127,stock,tova:budget=256/slack=127 \
         --out docs/results/vllm_long_generations
 """
 
@@ -142,8 +142,8 @@ def parse_configs(text: str) -> list[dict | None]:
 
 def table(rows: list[dict]) -> str:
     stock = next((r for r in rows if r["config"] == "stock"), None)  # then each against the stock run before it
-    lines = ["| config | running at once (mean) | vs stock | preempted | generated tok/s | vs stock | pages per request "
-             "(peak) | wall s | prompt steps s | decode-only steps s |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| config | running at once (mean) | vs stock | preempted | generated tok/s | vs stock | pages per "
+             "request (peak) | wall s | prompt steps s | decode-only steps s |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["config"] == "stock":
             stock = r
@@ -151,8 +151,8 @@ def table(rows: list[dict]) -> str:
         vs_running = f"{r[at_once] / stock[at_once]:.2f}x" if stock and stock[at_once] else ""
         vs_speed = f"{r['tok_s'] / stock['tok_s']:.2f}x" if stock and stock["tok_s"] else ""
         lines.append(f"| {r['config']} | {r['running']} ({r.get('mean_running', '')}) | {vs_running} | "
-                     f"{r.get('preempted', '')} | {r['tok_s']} | {vs_speed} | {r['pages']} ({r.get('peak_pages', '')}) | "
-                     f"{r['wall_s']} | {r['prompt_steps_s']} | {r['decode_steps_s']} |")
+                     f"{r.get('preempted', '')} | {r['tok_s']} | {vs_speed} | {r['pages']} "
+                     f"({r.get('peak_pages', '')}) | {r['wall_s']} | {r['prompt_steps_s']} | {r['decode_steps_s']} |")
     return "\n".join(lines)
 
 

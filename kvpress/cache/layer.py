@@ -76,26 +76,6 @@ class KVPressLayer(CacheLayerMixin):
         self.prefix = None  # the context every row shares, held once (prefix.py: SharedPrefix, ParallelPrefix)
         self.copied_on_write = False  # its rows were given their own copy of a shared prefix (prefix.unshare)
 
-    @classmethod
-    def holding(cls, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, *, seen: int,
-                new_tokens: int, row_budget: int, decode_start: int, state: dict | None = None,
-                stats: dict | None = None) -> "KVPressLayer":
-        """A layer holding tokens kept elsewhere (an engine's pages, read back) as a decode step left them: keys /
-        values [B, Hkv, T, D] with each slot's original position [B, Hkv, T] (every head's increasing) and per-slot
-        policy state {name: [B, Hkv, T]}, `seen` tokens seen, the newest `new_tokens` of them this step's, the
-        budget the prompt's cut fixed (`row_budget`, per row), where generation began (`decode_start`), and the
-        policy's per-layer statistics (`stats`, batch-first)."""
-        layer = cls()
-        layer.update(keys, values)
-        layer.segments = [Segment(layer.tail.data, positions.to(torch.int32), state=dict(state or {}))]
-        layer.explicit_positions = True
-        layer.seen = layer.appended = seen
-        layer.last_q_len = new_tokens
-        layer.row_budget = torch.full((keys.shape[0],), row_budget, dtype=torch.long, device=keys.device)
-        layer.decode_start = decode_start
-        layer.policy_stats = dict(stats or {})
-        return layer
-
     def reserve(self, n: int) -> None:  # spare room for n more tokens in the tail (a probe's: written in place)
         if self.is_initialized:
             tail = self.tail

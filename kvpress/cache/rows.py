@@ -1,4 +1,5 @@
-"""Rows of one batch from single-row layers (KVPressCache.stack: eval configs prefilled alone, decoded together)."""
+"""Layers built from parts: rows of one batch from single-row layers (KVPressCache.stack: eval configs prefilled
+alone, decoded together), and a layer holding tokens read back from elsewhere (`holding`: an engine's pages)."""
 
 from __future__ import annotations
 
@@ -65,3 +66,22 @@ def stack_rows(layers: list[KVPressLayer]) -> KVPressLayer:
     if len({l.decode_start for l in layers}) == 1:
         out.decode_start = first.decode_start
     return out
+
+
+def holding(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, *, seen: int, new_tokens: int,
+            row_budget: int, decode_start: int, state: dict | None = None, stats: dict | None = None) -> KVPressLayer:
+    """A layer holding tokens kept elsewhere (an engine's pages, read back) as a decode step left them: keys /
+    values [B, Hkv, T, D] with each slot's original position [B, Hkv, T] (every head's increasing) and per-slot
+    policy state {name: [B, Hkv, T]}, `seen` tokens seen, the newest `new_tokens` of them this step's, the budget
+    the prompt's cut fixed (`row_budget`, per row), where generation began (`decode_start`), and the policy's
+    per-layer statistics (`stats`, batch-first)."""
+    layer = KVPressLayer()
+    layer.update(keys, values)
+    layer.segments = [Segment(layer.tail.data, positions.to(torch.int32), state=dict(state or {}))]
+    layer.explicit_positions = True
+    layer.seen = layer.appended = seen
+    layer.last_q_len = new_tokens
+    layer.row_budget = torch.full((keys.shape[0],), row_budget, dtype=torch.long, device=keys.device)
+    layer.decode_start = decode_start
+    layer.policy_stats = dict(stats or {})
+    return layer

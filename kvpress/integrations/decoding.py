@@ -4,8 +4,8 @@ A paged engine cannot free one token a step; it frees a page. A policy that evic
 (`cut = slack + 1` tokens per cut, a multiple of the page: Policy.paged_decode_cuts) holds up to `held + cut - 1`
 tokens per KV head, and the step whose token would make it `held + cut` cuts it back to `held`: the transformers
 path's own schedule (ScorerPolicy.on_decode). At such a step the engine reads the tokens its pages hold for one
-layer, this object runs the policy's own hooks on a KVPressLayer holding them, and the engine writes the kept
-tokens back, every KV head's in position order, behind the pages it then frees.
+layer, this object runs the policy's own hooks on a KVPressLayer holding them (cache.rows.holding), and the engine
+writes the kept tokens back, every KV head's in position order, behind the pages it then frees.
 
 The engine's attention needs no positions (keys are stored after RoPE); the policy does (sinks, recency, which
 tokens are generated), so this object keeps, per layer, the original positions of the tokens held at the last cut
@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ..cache import KVPressLayer
+from ..cache.rows import holding
 from ..policies import Context, Policy
 from ..policies.allocation import whole_pages
 from .prompts import Kept, LayerFacts
@@ -96,7 +97,6 @@ class DecodeCuts:
                                f"{positions.shape[1]}")
         state = {} if held is None else {
             name: torch.nn.functional.pad(s, (0, seen - since))[None] for name, s in held.state.items()}
-        return KVPressLayer.holding(keys.transpose(0, 1)[None], values.transpose(0, 1)[None], positions[None],
-                                    seen=seen, new_tokens=q, row_budget=self._row_budget,
-                                    decode_start=self.prompt_length, state=state,
-                                    stats=None if held is None else held.stats)
+        return holding(keys.transpose(0, 1)[None], values.transpose(0, 1)[None], positions[None], seen=seen,
+                       new_tokens=q, row_budget=self._row_budget, decode_start=self.prompt_length, state=state,
+                       stats=None if held is None else held.stats)
