@@ -143,7 +143,7 @@ def parse_configs(text: str) -> list[dict | None]:
 def table(rows: list[dict]) -> str:
     stock = next((r for r in rows if r["config"] == "stock"), None)  # then each against the stock run before it
     lines = ["| config | running at once (mean) | vs stock | preempted | generated tok/s | vs stock | pages per "
-             "request (peak) | wall s | prompt steps s | decode-only steps s |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "request (peak) | wall s | prompt steps s | decode-only steps s |", "|---" * 10 + "|"]
     for r in rows:
         if r["config"] == "stock":
             stock = r
