@@ -27,3 +27,12 @@ def prompts(tokenizer):
 
     shapes = [(1800, 0.3, 1), (700, 0.7, 2), (2600, 0.5, 3), (240, 0.5, 4), (1300, 0.1, 5), (2100, 0.9, 6)]
     return [needle_prompt(tokenizer, n, depth=d, seed=s) for n, d, s in shapes]
+
+
+@pytest.fixture(scope="session")
+def hf():
+    """SmolLM2 under transformers, for the transformers path the engine's answers are checked against."""
+    from kvpress.models import load
+
+    model, _ = load("smollm2")
+    return model

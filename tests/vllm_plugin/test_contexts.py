@@ -25,14 +25,6 @@ def llm():
 
 
 @pytest.fixture(scope="module")
-def hf():
-    from kvpress.models import load
-
-    model, _ = load("smollm2")
-    return model
-
-
-@pytest.fixture(scope="module")
 def document(tokenizer):
     """A 1,500-token needle document (context) and two questions about it, as token ids."""
     doc = ids(needle_prompt(tokenizer, 1500, depth=0.4, seed=7))[:-12]

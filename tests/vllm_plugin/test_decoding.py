@@ -31,14 +31,6 @@ def llm():
 
 
 @pytest.fixture(scope="module")
-def hf():
-    from kvpress.models import load
-
-    model, _ = load("smollm2")
-    return model
-
-
-@pytest.fixture(scope="module")
 def prompt(tokenizer):
     return ids(needle_prompt(tokenizer, 700, depth=0.5, seed=11))
 
@@ -107,3 +99,18 @@ def test_each_cut_gives_a_page_back_and_memory_stays_fixed(llm, prompt):
 
 def _engine_text(llm) -> str:
     return worker(llm).kvpress.text
+
+
+def test_the_figures_are_logged_as_vllms_are(llm, monkeypatch, caplog):
+    """The engine core's log line (while vLLM logs statistics: each step's make_stats), every LOG_EVERY_S seconds."""
+    import logging
+
+    from kvpress.integrations.vllm import metrics
+
+    stats = scheduler(llm).kv_cache_manager.coordinator.single_type_managers[0].stats
+    monkeypatch.setattr(metrics, "LOG_EVERY_S", 0.0)
+    with caplog.at_level(logging.INFO, logger="kvpress"):
+        stats.maybe_log()
+    counts = scheduler(llm).kvpress_stats()
+    assert f"kvpress: {counts['prompts_compressed']} prompts compressed" in caplog.text
+    assert f"{counts['pages_freed_decoding']} while decoding" in caplog.text
