@@ -73,7 +73,9 @@ def run_config(args, settings: dict | None) -> dict:
     engine = llm.llm_engine
     core = engine.engine_core.engine_core
     scheduler = core.scheduler
-    params = SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True)
+    per_request = {"extra_args": {"kvpress": json.loads(args.request_settings)}} if settings and \
+        args.request_settings else {}  # (a stock engine's requests carry none)
+    params = SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True, **per_request)
     begin = time.perf_counter()
     for i, ids in enumerate(queue):
         engine.add_request(f"q{i}", TokensPrompt(prompt_token_ids=ids), params)
@@ -104,7 +106,8 @@ def run_config(args, settings: dict | None) -> dict:
                 if request.num_output_tokens > 1:  # the most a request holds while decoding
                     peak = max(peak, held)
     wall = time.perf_counter() - begin
-    return dict(config=label(settings), running=running, mean_running=round(running_sum / max(steps, 1), 1),
+    return dict(config=label(settings) + (f" requests {args.request_settings}" if per_request else ""),
+                running=running, mean_running=round(running_sum / max(steps, 1), 1),
                 preempted=len(preempted), tok_s=round(generated / wall, 2), wall_s=round(wall, 1),
                 prompt_steps_s=round(prompt_steps_s, 1), decode_steps_s=round(decode_steps_s, 1),
                 steps=steps, generated=generated, pages=round(sum(pages) / max(len(pages), 1), 2), peak_pages=peak,
@@ -161,8 +164,9 @@ def each_in_its_own_process(script: str, configs: list, args, passed: tuple, nam
     `passed` arguments; each config's result row, printed as it comes. `name(config)` labels a failure."""
     rows = []
     for config in configs:
+        given = {k: v for k, v in vars(args).items() if k in passed and v is not None}
         command = [sys.executable, script, "--one", json.dumps(config)] + [
-            f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k in passed] + list(extra)
+            f"--{k.replace('_', '-')}={v}" for k, v in given.items()] + list(extra)
         env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0")}
         run = subprocess.run(command, capture_output=True, text=True, env=env)
         found = [line for line in run.stdout.splitlines() if line.startswith("RESULT")]
@@ -190,6 +194,8 @@ def main(argv=None) -> None:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--kv-requests", type=int, default=8, help="KV memory, in uncompressed requests' pages")
     p.add_argument("--eager", action="store_true", help="no torch.compile (kvzap's configs run eagerly anyway)")
+    p.add_argument("--request-settings", default=None,
+                   help='every request\'s own kvpress settings (JSON) in the kvpress configs, e.g. {"policy": "none"}')
     p.add_argument("--out", default=None, help="folder for results.jsonl and summary.md")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: run one config (JSON) and print it
     args = p.parse_args(argv)
@@ -197,7 +203,8 @@ def main(argv=None) -> None:
         print("RESULT" + json.dumps(run_config(args, json.loads(args.one))))
         return
     rows = each_in_its_own_process(__file__, parse_configs(args.configs), args,
-                                   ("model", "requests", "prompt_tokens", "new_tokens", "kv_requests"), label,
+                                   ("model", "requests", "prompt_tokens", "new_tokens", "kv_requests",
+                                    "request_settings"), label,
                                    ["--eager"] * args.eager)
     print(table(rows))
     if args.out:
