@@ -23,7 +23,6 @@ import torch
 from ..cache import KVPressLayer
 from ..cache.rows import holding
 from ..policies import Context, Policy
-from ..policies.allocation import whole_pages
 from .prompts import Kept, LayerFacts
 
 
@@ -49,8 +48,7 @@ class DecodeCuts:
         self.policy = policy
         self.prompt_length = prompt_length
         self.every_step = policy.observes_decode  # else only the steps that cut
-        n = torch.tensor([prompt_length])
-        self._row_budget = int(whole_pages(policy.row_budget(n), n, page_size))  # the prompt's cut fixed it
+        self._row_budget = policy.paged_budget(prompt_length, page_size)  # the prompt's cut fixed it
         self._held: dict[int, Held] = {}  # layer -> what it held after the last step handed here
         self._since: dict[int, int] = {}  # layer -> tokens seen then (those computed since sit behind, in order)
 

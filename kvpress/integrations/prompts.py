@@ -23,7 +23,6 @@ import torch
 from ..cache import KVPressLayer
 from ..policies import Context, Policy
 from ..policies.registry import get_policy_class, list_policies
-from ..policies.allocation import whole_pages
 from ..positions import Rotary
 
 
@@ -55,8 +54,7 @@ def evicted_tokens(policy: Policy, prompt_length: int, page_size: int) -> int:
     to whole pages. An engine's scheduler frees this many leading tokens' pages once the prompt is computed."""
     if not policy.needs_budget:
         return 0
-    n = torch.tensor([prompt_length])
-    return int(n - whole_pages(policy.row_budget(n), n, page_size).clamp(max=prompt_length))
+    return prompt_length - min(policy.paged_budget(prompt_length, page_size), prompt_length)
 
 
 @dataclass(frozen=True)

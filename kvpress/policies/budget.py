@@ -58,6 +58,12 @@ class BudgetPolicy(Policy):
         removed = torch.ceil(n_real.double() * self.compression_ratio - 1e-9).long()
         return (n_real - removed).clamp(min=1)
 
+    def paged_budget(self, prompt_length: int, page_size: int) -> int:
+        """Tokens per KV head a paged engine keeps of a `prompt_length`-token prompt, and holds while decoding: the
+        budget raised to whole evicted pages (allocation.whole_pages)."""
+        n = torch.tensor([prompt_length])
+        return int(whole_pages(self.row_budget(n), n, page_size))
+
 
 @dataclass
 class AllocatedBudgetPolicy(BudgetPolicy):
@@ -128,8 +134,7 @@ class AllocatedBudgetPolicy(BudgetPolicy):
             raise ValueError(f"{self.name}: slack={self.slack!r} evicts {cut} tokens per decode-time cut, which an "
                              f"engine of {page_size}-token pages cannot free as whole pages; allowed values: slack = "
                              f"k * {page_size} - 1 (e.g. {page_size - 1})")
-        n = torch.tensor([prompt_length])
-        budget = int(whole_pages(self.row_budget(n), n, page_size))  # the layer's row budget (layer_budget)
+        budget = self.paged_budget(prompt_length, page_size)  # the layer's row budget (layer_budget)
         if self.decode_budget is not None:  # the prompt keeps what its cut kept; generated tokens are held apart
             return cut, min(budget, prompt_length) + self.decode_budget
         return cut, budget

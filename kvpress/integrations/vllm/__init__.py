@@ -71,16 +71,15 @@ def check_request(processed_inputs, params) -> None:
     ids = processed_inputs.get("prompt_token_ids") if isinstance(processed_inputs, dict) else None
     if ids is not None:
         settings.check_prompt(len(ids))
-    where = f"extra_args['{KEY}']"
+    policy = None if settings.policy_text is None else request_policy(settings.policy_text)  # None: the engine's
     for engine, page_size in _ENGINES:
-        policy = engine.policy if settings.policy_text is None else request_policy(settings.policy_text)
-        check_decode_cuts(policy, page_size, settings.context_tokens, where)
-    if settings.policy_text is not None:
-        policy = request_policy(settings.policy_text)
-        if policy.needs().hidden_states and not (_ENGINES and all(e.policy.needs().hidden_states for e, _ in _ENGINES)):
-            raise ValueError(f"extra_args['{KEY}']: policy {policy.name!r} reads each layer's attention input, which "
-                             f"an engine records only when its own policy reads it; allowed: an engine started with "
-                             f"{policy.name!r} (additional_config), or a policy per request that does not read it")
+        check_decode_cuts(engine.policy if policy is None else policy, page_size, settings.context_tokens,
+                          f"extra_args['{KEY}']")
+    if policy is not None and policy.needs().hidden_states and \
+            not (_ENGINES and all(e.policy.needs().hidden_states for e, _ in _ENGINES)):
+        raise ValueError(f"extra_args['{KEY}']: policy {policy.name!r} reads each layer's attention input, which "
+                         f"an engine records only when its own policy reads it; allowed: an engine started with "
+                         f"{policy.name!r} (additional_config), or a policy per request that does not read it")
 
 
 def configure(vllm_config) -> None:

@@ -132,9 +132,7 @@ class Impl(CPUAttentionBackendImpl):
                 if kept.keys.shape[0] != work.slots.shape[0]:
                     raise RuntimeError(f"kvpress: layer {facts.layer_idx} kept {kept.keys.shape[0]} tokens per head, "
                                        f"the scheduler frees pages for {work.slots.shape[0]}")
-                self.do_kv_cache_update(layer, kept.keys.contiguous(), kept.values.contiguous(), kv_cache,
-                                        work.slots)
-                attn_metadata.requests.record(work.request_id, facts.layer_idx, kept.positions)
+                self._write_kept(layer, kv_cache, kept, work.slots, work.request_id, facts, attn_metadata.requests)
                 if work.decoding is not None:
                     work.decoding.started(facts.layer_idx, kept)
         for work in attn_metadata.decodes if attn_metadata is not None else ():
@@ -146,9 +144,14 @@ class Impl(CPUAttentionBackendImpl):
                                       None if hidden is None else hidden[work.tokens], work.seen,
                                       None if work.kept is None else work.kept.shape[0])
             if kept is not None:
-                self.do_kv_cache_update(layer, kept.keys.contiguous(), kept.values.contiguous(), kv_cache, work.kept)
-                attn_metadata.requests.record(work.request_id, facts.layer_idx, kept.positions)
+                self._write_kept(layer, kv_cache, kept, work.kept, work.request_id, facts, attn_metadata.requests)
         return output
+
+    def _write_kept(self, layer, kv_cache, kept, slots: torch.Tensor, request_id: str, facts: LayerFacts,
+                    requests) -> None:
+        """Each KV head's kept tokens to the physical `slots`, through vLLM's own cache write (and recorded)."""
+        self.do_kv_cache_update(layer, kept.keys.contiguous(), kept.values.contiguous(), kv_cache, slots)
+        requests.record(request_id, facts.layer_idx, kept.positions)
 
     def _layer_facts(self, layer, rotary: bool) -> LayerFacts:
         """The layer's facts, with its RoPE for the policies that read it (requests may run different policies)."""

@@ -17,6 +17,8 @@ import logging
 import time
 from dataclasses import asdict, dataclass
 
+from prometheus_client import Counter, Gauge  # (vLLM's own dependency: this module runs inside vLLM)
+
 logger = logging.getLogger("kvpress")
 LOG_EVERY_S = 10.0
 
@@ -85,8 +87,6 @@ _HELP = {
 
 def _prometheus() -> dict:
     if not _METRICS:
-        from prometheus_client import Counter, Gauge  # (vLLM's own dependency: this module runs inside vLLM)
-
         for name, text in _HELP.items():
             _METRICS[name] = Counter(f"kvpress:{name}", text)
         _METRICS["contexts_held"] = Gauge("kvpress:contexts_held", "Compacted contexts cached now",
